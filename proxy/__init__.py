@@ -1,0 +1,1 @@
+"""trajstore's recording proxy: an OpenAI-compatible gateway in front of inference engines."""

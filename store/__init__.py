@@ -1,0 +1,59 @@
+"""trajstore's event store: an append-only log of what agents and models did, in PostgreSQL.
+
+    from store import EventStore, NewEvent, EventType
+
+    async with await EventStore.open(url) as store:
+        await store.append("session-1", [NewEvent(EventType.SESSION_CREATED, session_id="1")])
+        async for event in store.subscribe(after=0):
+            ...
+"""
+
+from store.errors import (
+    BadEvent,
+    ConcurrencyError,
+    DuplicateEventError,
+    EmbeddedServerError,
+    PayloadTooLarge,
+    SchemaNotReady,
+    StoreError,
+    StoreUnavailable,
+    WriteFailed,
+    WriterBackpressure,
+    WriterClosed,
+    WriterError,
+)
+from store.events import (
+    EventType,
+    ExpectedVersion,
+    NewEvent,
+    RecordedEvent,
+    request_stream,
+    session_stream,
+)
+from store.eventstore import EventStore
+from store.subscription import Subscription
+from store.writer import EventWriter
+
+__all__ = [
+    "BadEvent",
+    "ConcurrencyError",
+    "DuplicateEventError",
+    "EmbeddedServerError",
+    "EventStore",
+    "EventType",
+    "EventWriter",
+    "ExpectedVersion",
+    "NewEvent",
+    "PayloadTooLarge",
+    "RecordedEvent",
+    "SchemaNotReady",
+    "StoreError",
+    "StoreUnavailable",
+    "Subscription",
+    "WriteFailed",
+    "WriterBackpressure",
+    "WriterClosed",
+    "WriterError",
+    "request_stream",
+    "session_stream",
+]

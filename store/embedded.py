@@ -1,0 +1,391 @@
+"""The embedded default: a private PostgreSQL in trajstore's data directory.
+
+When no `TRAJSTORE_DATABASE_URL` is configured, trajstore runs its own server:
+- binaries: the machine's own (`pg_config --bindir`, `/usr/lib/postgresql/*/bin`, `PATH`), else
+  those shipped in the `pgserver` wheel; the choice is remembered with the cluster, because a
+  data directory only opens with the major version that made it;
+- PostgreSQL refuses to run as root, so as root the server runs as the `postgres` user when the
+  machine has one, else as a `trajstore` system user created for it;
+- it listens on a Unix socket in the data directory (the URL handed out, the fastest path) and on
+  127.0.0.1:`embedded_port` with a generated password (for tools that only speak TCP);
+- starting it twice is harmless; a stale pid file (a killed server, a reused pid) is cleared; a
+  TCP port held by another program is reported with what to change.
+
+Layout of the data directory:
+    pgdata/            the cluster (owned by the server user, 0700)
+    run/               the Unix socket
+    postgres.log       the server's log
+    embedded.json      binaries, user and port chosen at initialisation
+    password           the TCP password (0600)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import pwd
+import secrets
+import shutil
+import socket
+import stat
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from store.errors import EmbeddedServerError
+from store.settings import StoreSettings
+
+log = logging.getLogger(__name__)
+
+DATABASE = "trajstore"
+SUPERUSER = "trajstore"
+_REQUIRED_BINARIES = ("initdb", "pg_ctl", "postgres", "psql")
+
+
+@dataclass(frozen=True)
+class ServerUser:
+    """The OS account the server runs as."""
+
+    name: str
+    uid: int
+    gid: int
+
+    def run_kwargs(self) -> dict[str, Any]:
+        """`subprocess` arguments that drop root privileges to this user (none if already it)."""
+        if os.geteuid() != 0:
+            return {}
+        return {"user": self.uid, "group": self.gid, "extra_groups": []}
+
+
+@dataclass(frozen=True)
+class Status:
+    """Whether the embedded server is initialised and running, and where."""
+
+    initialised: bool
+    pid: int | None
+    url: str | None
+    data_dir: Path
+
+    @property
+    def running(self) -> bool:
+        """True while a server process serves the data directory."""
+        return self.pid is not None
+
+
+def find_binaries(preferred: Path | None = None) -> Path:
+    """The directory holding initdb, pg_ctl, postgres and psql: the machine's, else pgserver's."""
+    candidates: list[Path] = []
+    if preferred is not None:
+        candidates.append(preferred)
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        with contextlib.suppress(OSError, subprocess.CalledProcessError):
+            out = subprocess.run(
+                [pg_config, "--bindir"], capture_output=True, text=True, check=True
+            )
+            candidates.append(Path(out.stdout.strip()))
+    debian = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin"),
+        key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
+        reverse=True,
+    )
+    candidates.extend(debian)
+    initdb = shutil.which("initdb")
+    if initdb:
+        candidates.append(Path(initdb).parent)
+    spec = importlib.util.find_spec("pgserver")
+    if spec is not None and spec.submodule_search_locations:
+        candidates.append(Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin")
+    for directory in candidates:
+        if all((directory / name).is_file() for name in _REQUIRED_BINARIES):
+            return directory
+    raise EmbeddedServerError(
+        "no PostgreSQL server binaries found (looked for pg_config, /usr/lib/postgresql, PATH "
+        "and the pgserver package); install PostgreSQL or `pip install pgserver`, or set "
+        "TRAJSTORE_DATABASE_URL to an existing server"
+    )
+
+
+def server_user() -> ServerUser:
+    """The account to run the server as: ourselves, or an unprivileged one when we are root."""
+    if os.geteuid() != 0:
+        entry = pwd.getpwuid(os.geteuid())
+        return ServerUser(entry.pw_name, entry.pw_uid, entry.pw_gid)
+    for name in ("postgres", "trajstore"):
+        with contextlib.suppress(KeyError):
+            entry = pwd.getpwnam(name)
+            return ServerUser(entry.pw_name, entry.pw_uid, entry.pw_gid)
+    useradd = shutil.which("useradd")
+    if useradd is None:
+        raise EmbeddedServerError(
+            "running as root, PostgreSQL needs an unprivileged user: create one named "
+            "'trajstore' (useradd is not available here)"
+        )
+    subprocess.run(
+        [useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "trajstore"],
+        check=True,
+        capture_output=True,
+    )
+    entry = pwd.getpwnam("trajstore")
+    return ServerUser(entry.pw_name, entry.pw_uid, entry.pw_gid)
+
+
+def _can_enter(path: Path, user: ServerUser) -> bool:
+    st = path.stat()
+    if user.uid == 0:
+        return True
+    if st.st_uid == user.uid:
+        return bool(st.st_mode & stat.S_IXUSR)
+    if st.st_gid == user.gid:
+        return bool(st.st_mode & stat.S_IXGRP)
+    return bool(st.st_mode & stat.S_IXOTH)
+
+
+def _check_reachable(path: Path, user: ServerUser, what: str) -> None:
+    """Fail clearly when `user` cannot walk down to `path` (root's home is the usual culprit)."""
+    resolved = path.resolve()
+    for parent in [*reversed(resolved.parents), resolved]:
+        if not _can_enter(parent, user):
+            raise EmbeddedServerError(
+                f"the PostgreSQL server runs as user {user.name!r}, which cannot enter "
+                f"{parent} to reach the {what} at {path}; choose a TRAJSTORE_DATA_DIR outside "
+                "it (for example under /var/lib or /tmp)"
+            )
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _process_is_postgres(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, someone else's: look closer
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc to look at: assume the pid file is right
+    return b"postgres" in cmdline
+
+
+class EmbeddedPostgres:
+    """A private PostgreSQL server living in `data_dir`."""
+
+    def __init__(self, data_dir: Path, port: int, bin_dir: Path | None = None) -> None:
+        self.data_dir = Path(data_dir).absolute()
+        self.port = port
+        self._bin_dir = bin_dir
+        self.pgdata = self.data_dir / "pgdata"
+        self.socket_dir = self.data_dir / "run"
+        self.logfile = self.data_dir / "postgres.log"
+        self.config_file = self.data_dir / "embedded.json"
+        self.password_file = self.data_dir / "password"
+
+    @classmethod
+    def from_settings(cls, settings: StoreSettings) -> EmbeddedPostgres:
+        """The embedded server the settings describe."""
+        return cls(settings.data_dir, settings.embedded_port)
+
+    # -- what is there ------------------------------------------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        try:
+            data: dict[str, Any] = json.loads(self.config_file.read_text())
+        except FileNotFoundError:
+            return {}
+        return data
+
+    @property
+    def initialised(self) -> bool:
+        """True once initdb has made the cluster."""
+        return (self.pgdata / "PG_VERSION").is_file()
+
+    def bin_dir(self) -> Path:
+        """The binaries of this cluster: those it was made with, else the best on the machine."""
+        if self._bin_dir is not None:
+            return find_binaries(self._bin_dir)
+        recorded = self._config().get("bin_dir")
+        if recorded and self.initialised:
+            path = Path(recorded)
+            if not all((path / b).is_file() for b in _REQUIRED_BINARIES):
+                raise EmbeddedServerError(
+                    f"the cluster in {self.pgdata} was made with the PostgreSQL binaries in "
+                    f"{path}, which are gone; reinstall them or move the data directory away"
+                )
+            return path
+        return find_binaries()
+
+    def running_pid(self) -> int | None:
+        """The server's pid when it runs; None when it does not (a stale pid file included)."""
+        pid_file = self.pgdata / "postmaster.pid"
+        try:
+            first_line = pid_file.read_text().splitlines()[0]
+        except (FileNotFoundError, IndexError):
+            return None
+        except PermissionError:  # not root and not the server user
+            raise EmbeddedServerError(f"cannot read {pid_file}: permission denied") from None
+        pid = int(first_line.strip())
+        return pid if _process_is_postgres(pid) else None
+
+    def url(self) -> str:
+        """The URL clients use: the Unix socket, as the server's superuser."""
+        port = self._running_port() or self.port
+        return f"postgresql://{SUPERUSER}@/{DATABASE}?host={self.socket_dir}&port={port}"
+
+    def tcp_url(self) -> str:
+        """The same database over TCP on 127.0.0.1, with the generated password."""
+        port = self._running_port() or self.port
+        password = self.password_file.read_text().strip()
+        return f"postgresql://{SUPERUSER}:{password}@127.0.0.1:{port}/{DATABASE}"
+
+    def _running_port(self) -> int | None:
+        with contextlib.suppress(FileNotFoundError, IndexError, ValueError, PermissionError):
+            return int((self.pgdata / "postmaster.pid").read_text().splitlines()[3])
+        return None
+
+    def status(self) -> Status:
+        """Is the cluster there, is a server running, and at which URL."""
+        pid = self.running_pid() if self.initialised else None
+        return Status(self.initialised, pid, self.url() if pid else None, self.data_dir)
+
+    # -- doing --------------------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Make the cluster if needed, start the server unless it runs, and return its URL."""
+        user = server_user()
+        if not self.initialised:
+            self._initialise(user)
+        if self.running_pid() is not None:
+            log.info("embedded PostgreSQL already runs in %s", self.data_dir)
+            self._ensure_database()
+            return self.url()
+        self._clear_stale_pid_file()
+        if not _port_free(self.port):
+            raise EmbeddedServerError(
+                f"port {self.port} on 127.0.0.1 is in use by another program; set "
+                "TRAJSTORE_EMBEDDED_PORT to a free port, or TRAJSTORE_DATABASE_URL to use "
+                "an existing server"
+            )
+        options = f"-p {self.port} -k {self.socket_dir} -c listen_addresses=127.0.0.1"
+        self._run(
+            user,
+            "pg_ctl",
+            "start",
+            "-D", str(self.pgdata),
+            "-l", str(self.logfile),
+            "-w", "-t", "60",
+            "-o", options,
+        )  # fmt: skip
+        self._ensure_database()
+        return self.url()
+
+    def stop(self) -> bool:
+        """Stop the server (fast shutdown); False when it was not running."""
+        if not self.initialised or self.running_pid() is None:
+            return False
+        self._run(server_user(), "pg_ctl", "stop", "-D", str(self.pgdata), "-m", "fast", "-w")
+        return True
+
+    def _initialise(self, user: ServerUser) -> None:
+        bin_dir = self.bin_dir()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        _check_reachable(self.data_dir, user, "data directory")
+        _check_reachable(bin_dir / "postgres", user, "PostgreSQL binaries")
+        for directory in (self.pgdata, self.socket_dir):
+            directory.mkdir(mode=0o700, exist_ok=True)
+            os.chown(directory, user.uid, user.gid)
+        self.password_file.write_text(secrets.token_urlsafe(24) + "\n")
+        self.password_file.chmod(0o600)
+        os.chown(self.password_file, user.uid, user.gid)
+        self.logfile.touch()
+        os.chown(self.logfile, user.uid, user.gid)
+        self._run(
+            user,
+            "initdb",
+            "-D", str(self.pgdata),
+            "-U", SUPERUSER,
+            "--auth-local=trust",
+            "--auth-host=scram-sha-256",
+            f"--pwfile={self.password_file}",
+            "-E", "UTF8",
+            "--locale=C",
+            bin_dir=bin_dir,
+        )  # fmt: skip
+        config = {"bin_dir": str(bin_dir), "user": user.name, "port": self.port}
+        self.config_file.write_text(json.dumps(config, indent=2) + "\n")
+        log.info("initialised embedded PostgreSQL in %s with %s", self.pgdata, bin_dir)
+
+    def _clear_stale_pid_file(self) -> None:
+        pid_file = self.pgdata / "postmaster.pid"
+        if pid_file.exists():
+            log.warning("removing stale %s (its server is not running)", pid_file)
+            pid_file.unlink()
+
+    def _ensure_database(self) -> None:
+        exists = self._psql(f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE}'")
+        if exists.strip() != "1":
+            self._psql(f'CREATE DATABASE "{DATABASE}"')
+
+    def _psql(self, sql: str) -> str:
+        port = str(self._running_port() or self.port)
+        return self._run(
+            server_user(),
+            "psql",
+            "-X", "-q", "-t", "-A",
+            "-h", str(self.socket_dir),
+            "-p", port,
+            "-U", SUPERUSER,
+            "-d", "postgres",
+            "-v", "ON_ERROR_STOP=1",
+            "-c", sql,
+        )  # fmt: skip
+
+    def _run(self, user: ServerUser, program: str, *args: str, bin_dir: Path | None = None) -> str:
+        executable = (bin_dir or self.bin_dir()) / program
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C", "LANG": "C"}
+        try:
+            done = subprocess.run(
+                [str(executable), *args],
+                capture_output=True,
+                text=True,
+                cwd=self.data_dir,
+                env=env,
+                timeout=120,
+                **user.run_kwargs(),
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise EmbeddedServerError(f"could not run {program}: {exc}") from exc
+        if done.returncode != 0:
+            tail = self._log_tail() if program == "pg_ctl" else ""
+            raise EmbeddedServerError(
+                f"{program} {args[0] if args else ''} failed (exit {done.returncode}): "
+                f"{(done.stderr or done.stdout).strip()}{tail}"
+            )
+        return done.stdout
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.logfile.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "\nlast lines of " + str(self.logfile) + ":\n" + "\n".join(text)
+
+
+def database_url(settings: StoreSettings | None = None) -> str:
+    """The configured database URL, or the embedded server's after starting it if needed."""
+    settings = settings or StoreSettings()
+    if settings.database_url:
+        return settings.database_url
+    return EmbeddedPostgres.from_settings(settings).start()

@@ -1,0 +1,177 @@
+"""Events: the immutable facts the store keeps, as they go in (`NewEvent`) and come out
+(`RecordedEvent`).
+
+Streams are chosen so that several proxy replicas can record one session at once without
+conflicting: each model request has its own stream (`request_stream(request_id)`), written by the
+one replica that serves it, and the few session-level facts (created, reward, finished, discarded)
+go to the session's own stream (`session_stream(session_id)`) with `ExpectedVersion.ANY`. Every
+event carries its session id, so `read_session` needs no knowledge of the streams.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import IntEnum, StrEnum
+from typing import Any
+
+import orjson
+
+from store.errors import BadEvent, PayloadTooLarge
+from store.tokens import (
+    Logprobs,
+    LogprobsLike,
+    TokenIds,
+    TokenIdsLike,
+    encode_logprobs,
+    encode_token_ids,
+)
+
+#: Largest JSON payload one event may carry. Requests carry the whole chat history, so this is
+#: generous; anything near it is more likely a bug than a conversation.
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+
+#: Longest stream, session or run id; ids are chosen by clients (trial ids), so they are bounded.
+MAX_ID_LENGTH = 200
+
+
+class EventType(StrEnum):
+    """Every kind of fact the store records. Unknown types are refused on the way in."""
+
+    SESSION_CREATED = "session_created"
+    REQUEST_RECEIVED = "request_received"
+    PROMPT_TOKENS = "prompt_tokens"
+    COMPLETION_CHUNK = "completion_chunk"
+    COMPLETION_FINISHED = "completion_finished"
+    REQUEST_FAILED = "request_failed"
+    REWARD_ASSIGNED = "reward_assigned"
+    SESSION_FINISHED = "session_finished"
+    SESSION_DISCARDED = "session_discarded"
+    POLICY_VERSION_SET = "policy_version_set"
+    TRAINING_STEP = "training_step"
+
+
+class ExpectedVersion(IntEnum):
+    """Special values for `append(..., expected_version=...)`; any int >= 0 is an exact version."""
+
+    ANY = -1  #: append at the end of the stream, whatever its version
+    NO_STREAM = 0  #: the stream must not exist yet
+
+
+def request_stream(request_id: str) -> str:
+    """The stream of one model request: written by the single replica that serves it."""
+    return f"request-{request_id}"
+
+
+def session_stream(session_id: str) -> str:
+    """The stream of a session's own facts (created, reward, finished, discarded)."""
+    return f"session-{session_id}"
+
+
+def _check_id(name: str, value: str | None, *, required: bool = False) -> None:
+    if value is None:
+        if required:
+            raise BadEvent(f"{name} is required")
+        return
+    if not isinstance(value, str) or not value:
+        raise BadEvent(f"{name} must be a non-empty string, got {value!r}")
+    if len(value) > MAX_ID_LENGTH:
+        raise BadEvent(f"{name} is longer than {MAX_ID_LENGTH} characters")
+    if "\x00" in value:
+        raise BadEvent(f"{name} contains a NUL character")
+
+
+def _contains_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, Mapping):
+        return any(_contains_nul(k) or _contains_nul(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_contains_nul(v) for v in value)
+    return False
+
+
+def encode_payload(payload: Mapping[str, Any]) -> bytes:
+    """Serialise a payload to JSON once, refusing what PostgreSQL's jsonb cannot hold."""
+    if not isinstance(payload, Mapping):
+        raise BadEvent(f"payload must be a mapping, got {type(payload).__name__}")
+    try:
+        data = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError as exc:  # orjson raises JSONEncodeError, a TypeError subclass
+        raise BadEvent(f"payload is not JSON-serialisable: {exc}") from exc
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise PayloadTooLarge(
+            f"payload is {len(data)} bytes; the limit is {MAX_PAYLOAD_BYTES} bytes"
+        )
+    # jsonb refuses \u0000. The escaped form is cheap to spot; confirm on the (rare) hit, since
+    # a literal backslash before "u0000" would match too.
+    if b"\\u0000" in data and _contains_nul(payload):
+        raise BadEvent("payload contains a NUL character (\\u0000), which jsonb cannot store")
+    return data
+
+
+@dataclass(frozen=True, slots=True)
+class NewEvent:
+    """An event to append. Validated and encoded once, when it is made.
+
+    `token_ids` and `logprobs` accept numpy arrays or Python lists; when both are given they must
+    have the same length (logprob i belongs to token i).
+    """
+
+    type: EventType
+    session_id: str | None = None
+    run_id: str | None = None
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    token_ids: TokenIdsLike | None = None
+    logprobs: LogprobsLike | None = None
+    event_id: uuid.UUID = field(default_factory=uuid.uuid4)
+    # Encoded forms, filled in by __post_init__; these are what goes over the wire.
+    payload_json: bytes = field(init=False, repr=False, compare=False)
+    token_bytes: bytes | None = field(init=False, repr=False, compare=False)
+    logprob_bytes: bytes | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "type", EventType(self.type))
+        except ValueError:
+            known = ", ".join(t.value for t in EventType)
+            raise BadEvent(f"unknown event type {self.type!r}; known types: {known}") from None
+        if not isinstance(self.event_id, uuid.UUID):
+            raise BadEvent(f"event_id must be a uuid.UUID, got {type(self.event_id).__name__}")
+        _check_id("session_id", self.session_id)
+        _check_id("run_id", self.run_id)
+        object.__setattr__(self, "payload_json", encode_payload(self.payload))
+        tokens = None if self.token_ids is None else encode_token_ids(self.token_ids)
+        logprobs = None if self.logprobs is None else encode_logprobs(self.logprobs)
+        if tokens is not None and logprobs is not None and len(tokens) != len(logprobs):
+            raise BadEvent(
+                f"{len(tokens) // 4} token ids but {len(logprobs) // 4} logprobs; "
+                "each token needs exactly one logprob"
+            )
+        object.__setattr__(self, "token_bytes", tokens)
+        object.__setattr__(self, "logprob_bytes", logprobs)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedEvent:
+    """An event as stored: its place in the log, its stream and its content."""
+
+    position: int
+    tx_id: int
+    event_id: uuid.UUID
+    stream_id: str
+    stream_version: int
+    session_id: str | None
+    run_id: str | None
+    type: str  #: an `EventType` value (a str enum compares equal), or a newer type as text
+    recorded_at: datetime
+    payload: dict[str, Any]
+    token_ids: TokenIds | None
+    logprobs: Logprobs | None
+
+    @property
+    def n_tokens(self) -> int:
+        """How many token ids the event carries."""
+        return 0 if self.token_ids is None else len(self.token_ids)

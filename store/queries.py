@@ -1,0 +1,76 @@
+"""Every SQL statement of the store, in one place, called by name.
+
+Hot paths use asyncpg directly; these are plain strings with positional parameters.
+"""
+
+from __future__ import annotations
+
+EVENT_COLUMNS = (
+    "position, tx_id, event_id, stream_id, stream_version, session_id, run_id, event_type, "
+    "recorded_at, payload, token_ids, logprobs"
+)
+
+#: The columns a writer supplies; position, tx_id and recorded_at come from the database.
+INSERT_COLUMNS = (
+    "event_id",
+    "stream_id",
+    "stream_version",
+    "session_id",
+    "run_id",
+    "event_type",
+    "payload",
+    "token_ids",
+    "logprobs",
+)
+
+APPEND = f"""
+INSERT INTO events ({", ".join(INSERT_COLUMNS)})
+SELECT * FROM unnest(
+    $1::uuid[], $2::text[], $3::int8[], $4::text[], $5::text[], $6::text[], $7::jsonb[],
+    $8::bytea[], $9::bytea[]
+)
+RETURNING event_id, position
+"""
+
+#: Serialises appends with ExpectedVersion.ANY to one stream until the transaction ends.
+LOCK_STREAM = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))"
+
+STREAM_VERSION = "SELECT coalesce(max(stream_version), 0) FROM events WHERE stream_id = $1"
+
+FIND_EVENTS = """
+SELECT event_id, position, stream_id, stream_version FROM events WHERE event_id = ANY($1::uuid[])
+"""
+
+EXISTING_EVENT_IDS = "SELECT event_id FROM events WHERE event_id = ANY($1::uuid[])"
+
+READ_STREAM = f"""
+SELECT {EVENT_COLUMNS} FROM events
+WHERE stream_id = $1 AND stream_version > $2
+ORDER BY stream_version
+LIMIT $3
+"""
+
+READ_SESSION = f"""
+SELECT {EVENT_COLUMNS} FROM events
+WHERE session_id = $1
+ORDER BY tx_id, position
+"""
+
+# The global order is (tx_id, position). Positions are handed out when rows are inserted, not
+# when they commit, so a transaction that started earlier can commit a smaller position after
+# readers have passed it. Stopping below the oldest transaction still in flight (the snapshot's
+# xmin) means nothing can ever appear behind a reader's checkpoint. Every transaction below xmin
+# has finished, and rows are ordered by their writer's xid, so the order is final.
+READ_ALL = f"""
+SELECT {EVENT_COLUMNS} FROM events
+WHERE (tx_id, position) > ($1::xid8, $2::int8)
+  AND tx_id < pg_snapshot_xmin(pg_current_snapshot())
+ORDER BY tx_id, position
+LIMIT $3
+"""
+
+TX_ID_OF_POSITION = "SELECT tx_id FROM events WHERE position = $1"
+
+HEAD_POSITION = "SELECT coalesce(max(position), 0) FROM events"
+
+SCHEMA_PRESENT = "SELECT to_regclass('events') IS NOT NULL"

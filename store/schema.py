@@ -1,0 +1,121 @@
+"""The database schema, declared once. Alembic revisions are tested to produce exactly this.
+
+The `events` table is the source of truth and is append-only: triggers refuse UPDATE, DELETE and
+TRUNCATE. A statement-level trigger sends a payload-less NOTIFY after every insert, so live
+subscribers wake up; they never trust the notification for content (see `store.subscription`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    DDL,
+    BigInteger,
+    Column,
+    Identity,
+    Index,
+    LargeBinary,
+    MetaData,
+    Table,
+    Text,
+    UniqueConstraint,
+    event,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP, UUID
+from sqlalchemy.dialects.postgresql.base import ischema_names
+from sqlalchemy.types import UserDefinedType
+
+#: The channel live subscribers LISTEN on. Notifications carry no payload: they are a wake-up.
+NOTIFY_CHANNEL = "trajstore_events"
+
+
+class XID8(UserDefinedType[int]):
+    """PostgreSQL's 64-bit, epoch-extended transaction id (`xid8`)."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "XID8"
+
+
+# Teach SQLAlchemy's reflection the type, so schema comparisons see xid8 rather than NullType.
+ischema_names["xid8"] = XID8
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("position", BigInteger, Identity(always=True), primary_key=True),
+    # The id of the writing transaction: readers order by (tx_id, position) and never read past
+    # the oldest transaction still in flight, so a slow commit is never skipped.
+    Column("tx_id", XID8, nullable=False, server_default=text("pg_current_xact_id()")),
+    Column("event_id", UUID(as_uuid=True), nullable=False),
+    Column("stream_id", Text, nullable=False),
+    Column("stream_version", BigInteger, nullable=False),
+    Column("session_id", Text),
+    Column("run_id", Text),
+    Column("event_type", Text, nullable=False),
+    Column(
+        "recorded_at", TIMESTAMP(timezone=True), nullable=False, server_default=text("now()")
+    ),
+    Column("payload", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("token_ids", LargeBinary),  # little-endian int32, see store.tokens
+    Column("logprobs", LargeBinary),  # little-endian float32, one per token id
+    UniqueConstraint("event_id"),
+    UniqueConstraint("stream_id", "stream_version"),
+    Index(None, "tx_id", "position"),
+    Index(None, "session_id"),
+    Index(None, "run_id"),
+)
+
+# Each statement on its own: the asyncpg driver prepares statements, one command each. DDL() formats
+# its text with `%`, hence the doubled `%%` in RAISE.
+EVENTS_DDL = [
+    DDL(
+        """
+CREATE FUNCTION trajstore_refuse_change() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'trajstore events are immutable: %% on %% is refused', TG_OP, TG_TABLE_NAME
+        USING ERRCODE = 'restrict_violation',
+              HINT = 'Append a new event (a correction, a discard) instead of changing one.';
+END
+$$"""
+    ),
+    DDL(
+        "CREATE TRIGGER events_no_update BEFORE UPDATE ON events "
+        "FOR EACH ROW EXECUTE FUNCTION trajstore_refuse_change()"
+    ),
+    DDL(
+        "CREATE TRIGGER events_no_delete BEFORE DELETE ON events "
+        "FOR EACH ROW EXECUTE FUNCTION trajstore_refuse_change()"
+    ),
+    DDL(
+        "CREATE TRIGGER events_no_truncate BEFORE TRUNCATE ON events "
+        "FOR EACH STATEMENT EXECUTE FUNCTION trajstore_refuse_change()"
+    ),
+    DDL(
+        f"""
+CREATE FUNCTION trajstore_notify_append() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('{NOTIFY_CHANNEL}', '');
+    RETURN NULL;
+END
+$$"""
+    ),
+    DDL(
+        "CREATE TRIGGER events_notify AFTER INSERT ON events "
+        "FOR EACH STATEMENT EXECUTE FUNCTION trajstore_notify_append()"
+    ),
+]
+
+for _ddl in EVENTS_DDL:
+    event.listen(events, "after_create", _ddl)

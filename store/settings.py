@@ -1,0 +1,42 @@
+"""Configuration of the store: one pydantic-settings object, environment prefix `TRAJSTORE_`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_data_dir() -> Path:
+    """Where trajstore keeps its private PostgreSQL when no database URL is configured.
+
+    As root the server runs as an unprivileged user, which cannot enter root's home; so root's
+    data lives under /var/lib instead.
+    """
+    if os.geteuid() == 0:
+        return Path("/var/lib/trajstore")
+    return Path(platformdirs.user_data_dir("trajstore", appauthor=False))
+
+
+class StoreSettings(BaseSettings):
+    """Where the event log lives. Every field is read from `TRAJSTORE_<NAME>`."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAJSTORE_", extra="ignore")
+
+    database_url: str | None = Field(
+        default=None,
+        description="PostgreSQL URL; when unset, trajstore starts its own private server.",
+    )
+    data_dir: Path = Field(
+        default_factory=default_data_dir,
+        description="Directory of the embedded PostgreSQL (its data, socket and log).",
+    )
+    embedded_port: int = Field(
+        default=54329,
+        ge=1,
+        le=65535,
+        description="TCP port (127.0.0.1) of the embedded PostgreSQL.",
+    )

@@ -1,0 +1,1 @@
+"""trajstore's trainer side: replay recorded samples into tensor batches."""
