@@ -66,10 +66,16 @@ def sqlalchemy_url(url: str) -> str:
     return f"postgresql+asyncpg://{rest}"
 
 
-async def connect(url: str, **kwargs: Any) -> asyncpg.Connection:
-    """Open one connection with the store's codecs; `StoreUnavailable` when it cannot."""
+async def connect(url: str, *, application_name: str = "trajstore") -> asyncpg.Connection:
+    """Open one connection with the store's codecs; `StoreUnavailable` when it cannot.
+
+    `application_name` shows in `pg_stat_activity`, so operators can tell the writer and the
+    subscribers apart.
+    """
     try:
-        conn = await asyncpg.connect(asyncpg_dsn(url), **kwargs)
+        conn = await asyncpg.connect(
+            asyncpg_dsn(url), server_settings={"application_name": application_name}
+        )
     except CONNECTION_ERRORS as exc:
         raise StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
     await init_connection(conn)

@@ -23,6 +23,8 @@ from store.schema import NOTIFY_CHANNEL
 
 log = logging.getLogger(__name__)
 
+APPLICATION_NAME = "trajstore-subscription"
+
 
 class Subscription:
     """An async iterator over every event after a position, catching up and then live.
@@ -89,7 +91,7 @@ class Subscription:
                 await self._drop_connection()
 
     async def _connect(self) -> None:
-        self._conn = await connect(self.url)
+        self._conn = await connect(self.url, application_name=APPLICATION_NAME)
         # LISTEN before the catch-up read: an append committed in between still wakes us.
         await self._conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
         if self._tx_id is None:

@@ -46,6 +46,8 @@ from store.events import NewEvent
 
 log = logging.getLogger(__name__)
 
+APPLICATION_NAME = "trajstore-writer"
+
 
 @dataclass(slots=True)
 class _Pending:
@@ -127,7 +129,7 @@ class EventWriter:
     async def start(self) -> EventWriter:
         """Start the background task (and check the database is reachable)."""
         if self._task is None:
-            self._conn = await connect(self.url)
+            self._conn = await connect(self.url, application_name=APPLICATION_NAME)
             self._task = asyncio.create_task(self._run(), name="trajstore-event-writer")
         return self
 
@@ -355,7 +357,7 @@ class EventWriter:
 
     async def _connection(self) -> asyncpg.Connection:
         if self._conn is None or self._conn.is_closed():
-            self._conn = await connect(self.url)
+            self._conn = await connect(self.url, application_name=APPLICATION_NAME)
             self.stats.reconnects += 1
         return self._conn
 

@@ -1,0 +1,264 @@
+"""Generate a tiny, random, fully local chat model for end-to-end tests and the demo.
+
+No model weights can be downloaded on the machines this project runs on, yet the proxy has to be
+tested against a real inference engine. This module writes a directory that vLLM and
+transformers load like any Hugging Face checkpoint:
+
+- a byte-level BPE tokenizer trained on generated text about a toy tool-using arithmetic task,
+  wrapped as `PreTrainedTokenizerFast`, with a ChatML chat template that renders tools,
+  hermes-style `<tool_call>` blocks and tool results;
+- a randomly initialised two-layer `Qwen2ForCausalLM` in float32, saved as safetensors.
+
+The weights are random, so the model's output is noise: it exercises token ids, logprobs,
+streaming and tool plumbing, never the quality of an answer. The same seed always gives
+byte-identical files, so tests can compare token ids across runs and engines.
+
+torch, transformers and tokenizers are imported inside `build_tiny_model` so that importing the
+`proxy` package never needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+# The order fixes the ids: the trainer gives special tokens the first ids, 0 to 4.
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, TOOL_CALL_START, TOOL_CALL_END)
+
+# vLLM pads vocabularies for its kernels; keeping the embedding a multiple of 64 matches what
+# real checkpoints ship and lets the tokenizer's vocabulary grow later without new shapes.
+VOCAB_MULTIPLE = 64
+MAX_POSITIONS = 4096
+CORPUS_SENTENCES = 4000
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
+# ChatML, written for this module. Assistant tool calls become hermes-style blocks (the format
+# vLLM's `hermes` tool parser reads back); `arguments` may arrive as a JSON string (OpenAI wire
+# format) or as an object (vLLM parses it before rendering), so both are handled. Content is
+# never trimmed: turn N's prompt must stay a textual prefix of turn N+1's.
+CHAT_TEMPLATE = (
+    "{%- set first_is_system = messages and messages[0].role == 'system' -%}"
+    "{%- if tools -%}"
+    "<|im_start|>system\n"
+    "{{- messages[0].content if first_is_system else '" + DEFAULT_SYSTEM_PROMPT + "' -}}"
+    "\n\n# Tools\n\n"
+    "You may call one or more functions. Their signatures are inside <tools></tools>:\n"
+    "<tools>\n"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+    "</tools>\n\n"
+    "For each call, reply with a JSON object holding the function's name and arguments "
+    "inside <tool_call></tool_call> tags:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    "<|im_end|>\n"
+    "{%- elif first_is_system -%}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if loop.first and first_is_system -%}"
+    "{#- Already rendered above, merged with the tools when there are any. -#}"
+    "{%- elif message.role == 'assistant' -%}"
+    "<|im_start|>assistant\n{{ message.content or '' }}"
+    "{%- for call in message.tool_calls or [] -%}"
+    "{%- set fn = call.function if call.function is defined else call -%}"
+    "{%- if message.content or not loop.first %}\n{% endif -%}"
+    '<tool_call>\n{"name": {{ fn.name | tojson }}, "arguments": '
+    "{%- if fn.arguments is string %} {{ fn.arguments }}"
+    "{%- else %} {{ fn.arguments | tojson }}{% endif -%}"
+    "}\n</tool_call>"
+    "{%- endfor -%}"
+    "<|im_end|>\n"
+    "{%- else -%}"
+    "<|im_start|>{{ message.role }}\n{{ message.content or '' }}<|im_end|>\n"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+
+
+def _toy_corpus(rng: random.Random, count: int) -> Iterator[str]:
+    """Yield `count` sentences from the toy arithmetic-with-tools world the tests talk about.
+
+    The tokenizer only needs plausible merges, so the text mixes plain questions, the JSON of
+    tool calls and results, and fragments of the chat template, all with random numbers.
+    """
+    ops = [("add", "plus", "+"), ("multiply", "times", "*")]
+    for _ in range(count):
+        a, b = rng.randint(-99, 999), rng.randint(0, 999)
+        name, word, sign = rng.choice(ops)
+        result = a + b if name == "add" else a * b
+        kind = rng.randrange(8)
+        if kind == 0:
+            yield f"What is {a} {word} {b}?"
+        elif kind == 1:
+            yield f"Please {name} {a} and {b}, then tell me the answer."
+        elif kind == 2:
+            arguments = json.dumps({"a": a, "b": b})
+            yield f'{TOOL_CALL_START}\n{{"name": "{name}", "arguments": {arguments}}}\n{TOOL_CALL_END}'
+        elif kind == 3:
+            yield json.dumps({"result": result})
+        elif kind == 4:
+            yield f"{a} {sign} {b} = {result}. The answer is {result}."
+        elif kind == 5:
+            tool = {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "description": f"{name.capitalize()} two integers.",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                        "required": ["a", "b"],
+                    },
+                },
+            }
+            yield json.dumps(tool)
+        elif kind == 6:
+            role = rng.choice(["system", "user", "assistant", "tool"])
+            yield f"{IM_START}{role}\n{DEFAULT_SYSTEM_PROMPT}{IM_END}\n"
+        else:
+            yield f"I will call {name} with a={a} and b={b}. The tool returned {result}."
+
+
+def build_tiny_model(
+    out_dir: Path, *, seed: int = 0, vocab_size: int = 512, hidden_size: int = 64
+) -> Path:
+    """Write a tiny random chat model (tokenizer, config, safetensors weights) to `out_dir`.
+
+    The result loads with `transformers.AutoModelForCausalLM` / `AutoTokenizer` and serves with
+    vLLM (`--tool-call-parser hermes` understands its tool calls). `vocab_size` is the
+    tokenizer's target size; the model's embedding is padded up to a multiple of 64.
+    `hidden_size` must be divisible by 4 (the number of attention heads). The same arguments
+    always produce byte-identical files. Returns `out_dir`.
+    """
+    # Heavy imports stay here: `import proxy` must work in an environment without torch.
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    from transformers.utils import logging as hf_logging
+
+    if hidden_size % 4 != 0:
+        raise ValueError(f"hidden_size must be divisible by 4 attention heads, got {hidden_size}")
+    if vocab_size <= 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must exceed the byte alphabet plus specials, got {vocab_size}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    # --- tokenizer -------------------------------------------------------------------------
+    # Byte-level BPE with Qwen2's normalizer and pre-tokenizer. transformers 5's AutoTokenizer
+    # (which vLLM uses) loads any `model_type: qwen2` checkpoint as Qwen2Tokenizer whatever
+    # tokenizer_config.json says, and that class rebuilds the pipeline from vocab and merges with
+    # its own NFC + regex split. Training with the same pipeline makes tokenizer.json, the
+    # generic fast class and Qwen2Tokenizer encode every string identically. The regex is taken
+    # from transformers rather than restated so the two cannot drift apart.
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        # All 256 bytes, so any UTF-8 text (and any id sequence decoded back) round-trips.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # A private Random keeps the corpus a function of `seed` alone, whatever else uses `random`.
+    corpus = list(_toy_corpus(random.Random(seed), CORPUS_SENTENCES))
+    bpe.train_from_iterator(corpus, trainer=trainer, length=len(corpus))
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=[IM_START, TOOL_CALL_START, TOOL_CALL_END],
+        model_max_length=MAX_POSITIONS,
+        chat_template=CHAT_TEMPLATE,
+    )
+    tokenizer.save_pretrained(out_dir)
+    _make_tokenizer_config_portable(out_dir)
+
+    # --- model -----------------------------------------------------------------------------
+    token_count = len(tokenizer)
+    padded_vocab = -(-token_count // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    config = Qwen2Config(
+        vocab_size=padded_vocab,
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+        dtype="float32",
+    )
+    # fork_rng restores the caller's global torch RNG afterwards: seeding here must not change
+    # the random stream of whatever test or program calls us.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    # save_pretrained draws a progress bar for one tiny shard; keep test output clean, and put
+    # the global switch back as it was.
+    bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out_dir)
+    finally:
+        if bar_was_enabled:
+            hf_logging.enable_progress_bar()
+    return out_dir
+
+
+def _make_tokenizer_config_portable(out_dir: Path) -> None:
+    """Rewrite the saved tokenizer_config.json so transformers 4 and 5 both load it alike.
+
+    transformers 5 writes a class name, an `extra_special_tokens` list and a separate
+    chat_template.jinja that older loaders do not understand. The generic fast class, the
+    `additional_special_tokens` key and a `chat_template` entry load everywhere, and keep the
+    template in one place.
+    """
+    config_path = out_dir / "tokenizer_config.json"
+    template_path = out_dir / "chat_template.jinja"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    extra = config.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        config["additional_special_tokens"] = extra
+    if template_path.exists():
+        config["chat_template"] = template_path.read_text(encoding="utf-8")
+        template_path.unlink()
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", "utf-8")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: `python -m proxy.tiny_model OUT_DIR [--seed N] [--vocab-size N] ...`."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("out_dir", type=Path, help="directory to write the model into")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    args = parser.parse_args(argv)
+    path = build_tiny_model(
+        args.out_dir, seed=args.seed, vocab_size=args.vocab_size, hidden_size=args.hidden_size
+    )
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

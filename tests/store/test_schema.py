@@ -1,0 +1,110 @@
+"""The schema: Alembic's revisions produce exactly the declared metadata; events are immutable."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import asyncpg
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from store import EventStore, EventType, NewEvent, SchemaNotReady, migrations
+from store.connection import asyncpg_dsn, sqlalchemy_url
+from store.schema import metadata
+
+# What the catalog says about everything trajstore owns, in a form two databases can compare.
+CATALOG_QUERIES = {
+    "columns": """
+        SELECT table_name, column_name, data_type, udt_name, is_nullable, column_default,
+               is_identity, identity_generation
+        FROM information_schema.columns
+        WHERE table_schema = 'public' AND table_name <> 'alembic_version'
+        ORDER BY table_name, column_name""",
+    "constraints": """
+        SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid)
+        FROM pg_constraint
+        WHERE connamespace = 'public'::regnamespace AND conrelid::regclass::text <> 'alembic_version'
+        ORDER BY 1, 2""",
+    "indexes": """
+        SELECT tablename, indexname, indexdef FROM pg_indexes
+        WHERE schemaname = 'public' AND tablename <> 'alembic_version'
+        ORDER BY 1, 2""",
+    "triggers": """
+        SELECT tgrelid::regclass::text, tgname, pg_get_triggerdef(oid) FROM pg_trigger
+        WHERE NOT tgisinternal ORDER BY 1, 2""",
+    "functions": """
+        SELECT proname, pg_get_functiondef(oid) FROM pg_proc
+        WHERE pronamespace = 'public'::regnamespace ORDER BY 1""",
+}
+
+
+async def catalog(url: str) -> dict[str, list[tuple[Any, ...]]]:
+    conn = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        return {
+            name: [tuple(row) for row in await conn.fetch(sql)]
+            for name, sql in CATALOG_QUERIES.items()
+        }
+    finally:
+        await conn.close()
+
+
+async def test_migrations_produce_exactly_the_declared_schema(
+    database_url: str, empty_database_url: str
+) -> None:
+    # Alembic's own comparison: tables, columns, types, indexes, constraints.
+    engine = create_async_engine(sqlalchemy_url(database_url))
+    async with engine.connect() as conn:
+        diff = await conn.run_sync(
+            lambda sync: compare_metadata(MigrationContext.configure(sync), metadata)
+        )
+    await engine.dispose()
+    assert diff == []
+
+    # And what Alembic does not compare (triggers, functions, exact defaults): build the declared
+    # schema in an empty database and compare the two catalogs entry by entry.
+    engine = create_async_engine(sqlalchemy_url(empty_database_url))
+    async with engine.begin() as conn:
+        await conn.run_sync(metadata.create_all)
+    await engine.dispose()
+    migrated, declared = await catalog(database_url), await catalog(empty_database_url)
+    for name in CATALOG_QUERIES:
+        assert migrated[name] == declared[name], name
+    assert len(migrated["triggers"]) == 4
+    assert len(migrated["functions"]) == 2
+
+
+async def test_downgrade_to_base_removes_everything_and_upgrade_restores_it(
+    database_url: str,
+) -> None:
+    before = await catalog(database_url)
+    await asyncio.to_thread(migrations.downgrade, database_url, "base")
+    emptied = await catalog(database_url)
+    assert emptied["triggers"] == []
+    assert emptied["functions"] == []
+    assert emptied["columns"] == []
+    await asyncio.to_thread(migrations.upgrade, database_url)
+    assert await catalog(database_url) == before
+
+
+async def test_opening_an_unmigrated_database_says_to_migrate(empty_database_url: str) -> None:
+    with pytest.raises(SchemaNotReady, match="trajstore migrate"):
+        await EventStore.open(empty_database_url)
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "UPDATE events SET event_type = 'session_finished'",
+        "DELETE FROM events",
+        "TRUNCATE events",
+    ],
+)
+async def test_events_cannot_be_changed_or_removed(store: EventStore, statement: str) -> None:
+    await store.append("session-a", [NewEvent(EventType.SESSION_CREATED, session_id="a")])
+    with pytest.raises(asyncpg.RestrictViolationError, match="events are immutable"):
+        await store.pool.execute(statement)
+    assert len(await store.read_stream("session-a")) == 1
