@@ -1,11 +1,11 @@
 """trajstore's event store: an append-only log of what agents and models did, in PostgreSQL.
 
-    from store import EventStore, NewEvent, EventType
+from store import EventStore, NewEvent, EventType
 
-    async with await EventStore.open(url) as store:
-        await store.append("session-1", [NewEvent(EventType.SESSION_CREATED, session_id="1")])
-        async for event in store.subscribe(after=0):
-            ...
+async with await EventStore.open(url) as store:
+    await store.append("session-1", [NewEvent(EventType.SESSION_CREATED, session_id="1")])
+    async for event in store.subscribe(after=0):
+        ...
 """
 
 from store.errors import (

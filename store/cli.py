@@ -67,9 +67,22 @@ def _settings(ctx: click.Context) -> StoreSettings:
     type=click.Path(file_okay=False, path_type=Path),
     help="Directory of the embedded PostgreSQL.",
 )
+@click.option(
+    "--embedded-port",
+    envvar="TRAJSTORE_EMBEDDED_PORT",
+    show_envvar=True,
+    type=int,
+    help="TCP port of the embedded PostgreSQL on 127.0.0.1 [default: 54329].",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log what happens.")
 @click.pass_context
-def main(ctx: click.Context, database_url: str | None, data_dir: Path | None, verbose: bool) -> None:
+def main(
+    ctx: click.Context,
+    database_url: str | None,
+    data_dir: Path | None,
+    embedded_port: int | None,
+    verbose: bool,
+) -> None:
     """trajstore: record what agents say to a model, token for token, and replay it."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr)
     overrides: dict[str, Any] = {}
@@ -77,6 +90,8 @@ def main(ctx: click.Context, database_url: str | None, data_dir: Path | None, ve
         overrides["database_url"] = database_url
     if data_dir:
         overrides["data_dir"] = data_dir
+    if embedded_port:
+        overrides["embedded_port"] = embedded_port
     ctx.ensure_object(dict)["settings"] = StoreSettings(**overrides)
 
 

@@ -26,7 +26,11 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.AdminShutdownError,  # pg_terminate_backend, server stopping
     asyncpg.CannotConnectNowError,  # server starting up or shutting down
     asyncpg.TooManyConnectionsError,
+    asyncpg.InternalClientError,  # the protocol is in a state it cannot leave: start afresh
 )
+
+#: Worth a retry with a new connection: the connection broke, or the server is not there.
+RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, StoreUnavailable)
 
 _JSONB_VERSION = b"\x01"
 
@@ -92,6 +96,19 @@ async def create_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> asy
         raise StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
     assert pool is not None
     return pool
+
+
+_CLOSE_ERRORS: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, TimeoutError)
+
+
+async def close_quietly(conn: asyncpg.Connection | None) -> None:
+    """Close a connection that may already be broken; terminate it if a clean close fails."""
+    if conn is None or conn.is_closed():
+        return
+    try:
+        await conn.close(timeout=2)
+    except _CLOSE_ERRORS:
+        conn.terminate()
 
 
 @contextlib.asynccontextmanager

@@ -76,11 +76,31 @@ class Status:
         return self.pid is not None
 
 
+def _has_binaries(directory: Path) -> bool:
+    return all((directory / name).is_file() for name in _REQUIRED_BINARIES)
+
+
+def pgserver_binaries() -> Path | None:
+    """The server binaries shipped in the `pgserver` wheel, when it is installed."""
+    spec = importlib.util.find_spec("pgserver")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    directory = Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+    return directory if _has_binaries(directory) else None
+
+
 def find_binaries(preferred: Path | None = None) -> Path:
-    """The directory holding initdb, pg_ctl, postgres and psql: the machine's, else pgserver's."""
-    candidates: list[Path] = []
+    """The directory holding initdb, pg_ctl, postgres and psql: the machine's, else pgserver's.
+
+    `preferred` (TRAJSTORE_PG_BIN_DIR) must hold them when given.
+    """
     if preferred is not None:
-        candidates.append(preferred)
+        if not _has_binaries(preferred):
+            raise EmbeddedServerError(
+                f"{preferred} does not hold the PostgreSQL binaries {', '.join(_REQUIRED_BINARIES)}"
+            )
+        return preferred
+    candidates: list[Path] = []
     pg_config = shutil.which("pg_config")
     if pg_config:
         with contextlib.suppress(OSError, subprocess.CalledProcessError):
@@ -88,20 +108,21 @@ def find_binaries(preferred: Path | None = None) -> Path:
                 [pg_config, "--bindir"], capture_output=True, text=True, check=True
             )
             candidates.append(Path(out.stdout.strip()))
-    debian = sorted(
-        Path("/usr/lib/postgresql").glob("*/bin"),
-        key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
-        reverse=True,
+    candidates.extend(
+        sorted(
+            Path("/usr/lib/postgresql").glob("*/bin"),
+            key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
+            reverse=True,
+        )
     )
-    candidates.extend(debian)
     initdb = shutil.which("initdb")
     if initdb:
         candidates.append(Path(initdb).parent)
-    spec = importlib.util.find_spec("pgserver")
-    if spec is not None and spec.submodule_search_locations:
-        candidates.append(Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin")
+    wheel = pgserver_binaries()
+    if wheel is not None:
+        candidates.append(wheel)
     for directory in candidates:
-        if all((directory / name).is_file() for name in _REQUIRED_BINARIES):
+        if _has_binaries(directory):
             return directory
     raise EmbeddedServerError(
         "no PostgreSQL server binaries found (looked for pg_config, /usr/lib/postgresql, PATH "
@@ -196,7 +217,7 @@ class EmbeddedPostgres:
     @classmethod
     def from_settings(cls, settings: StoreSettings) -> EmbeddedPostgres:
         """The embedded server the settings describe."""
-        return cls(settings.data_dir, settings.embedded_port)
+        return cls(settings.data_dir, settings.embedded_port, settings.pg_bin_dir)
 
     # -- what is there ------------------------------------------------------------------------
 
@@ -219,7 +240,7 @@ class EmbeddedPostgres:
         recorded = self._config().get("bin_dir")
         if recorded and self.initialised:
             path = Path(recorded)
-            if not all((path / b).is_file() for b in _REQUIRED_BINARIES):
+            if not _has_binaries(path):
                 raise EmbeddedServerError(
                     f"the cluster in {self.pgdata} was made with the PostgreSQL binaries in "
                     f"{path}, which are gone; reinstall them or move the data directory away"
@@ -291,11 +312,15 @@ class EmbeddedPostgres:
         self._ensure_database()
         return self.url()
 
-    def stop(self) -> bool:
-        """Stop the server (fast shutdown); False when it was not running."""
+    def stop(self, mode: str = "fast") -> bool:
+        """Stop the server; False when it was not running.
+
+        `mode` is pg_ctl's: "fast" (the default) disconnects clients and shuts down cleanly;
+        "immediate" stops like a crash, leaving recovery to the next start.
+        """
         if not self.initialised or self.running_pid() is None:
             return False
-        self._run(server_user(), "pg_ctl", "stop", "-D", str(self.pgdata), "-m", "fast", "-w")
+        self._run(server_user(), "pg_ctl", "stop", "-D", str(self.pgdata), "-m", mode, "-w")
         return True
 
     def _initialise(self, user: ServerUser) -> None:
@@ -328,10 +353,15 @@ class EmbeddedPostgres:
         log.info("initialised embedded PostgreSQL in %s with %s", self.pgdata, bin_dir)
 
     def _clear_stale_pid_file(self) -> None:
-        pid_file = self.pgdata / "postmaster.pid"
-        if pid_file.exists():
-            log.warning("removing stale %s (its server is not running)", pid_file)
-            pid_file.unlink()
+        # Called once we know no server runs here. A killed server leaves its pid file and the
+        # socket's lock file behind; if its pid now names another process (or a zombie nobody
+        # reaped), PostgreSQL would refuse to start, so both go. The socket directory is private
+        # to this data directory: no other server can be using it.
+        stale = [self.pgdata / "postmaster.pid", *self.socket_dir.glob(".s.PGSQL.*.lock")]
+        for path in stale:
+            if path.exists():
+                log.warning("removing stale %s (its server is not running)", path)
+                path.unlink()
 
     def _ensure_database(self) -> None:
         exists = self._psql(f"SELECT 1 FROM pg_database WHERE datname = '{DATABASE}'")
@@ -373,7 +403,7 @@ class EmbeddedPostgres:
                 f"{program} {args[0] if args else ''} failed (exit {done.returncode}): "
                 f"{(done.stderr or done.stdout).strip()}{tail}"
             )
-        return done.stdout
+        return str(done.stdout)
 
     def _log_tail(self, lines: int = 15) -> str:
         try:

@@ -167,9 +167,7 @@ class EventStore:
             current = await conn.fetchval(queries.STREAM_VERSION, stream_id)
             if expected_version != ExpectedVersion.ANY and current != expected_version:
                 raise ConcurrencyError(stream_id, expected_version, current)
-            rows = await conn.fetch(
-                queries.APPEND, *insert_columns(stream_id, current + 1, events)
-            )
+            rows = await conn.fetch(queries.APPEND, *insert_columns(stream_id, current + 1, events))
         by_id = {row[0]: row[1] for row in rows}
         return [by_id[i] for i in ids]
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from alembic import command
 from alembic.config import Config
+
+from alembic import command
 
 _REPO_SCRIPTS = Path(__file__).resolve().parent.parent / "alembic"
 _PACKAGED_SCRIPTS = Path(__file__).resolve().parent / "_alembic"

@@ -64,9 +64,7 @@ events = Table(
     Column("session_id", Text),
     Column("run_id", Text),
     Column("event_type", Text, nullable=False),
-    Column(
-        "recorded_at", TIMESTAMP(timezone=True), nullable=False, server_default=text("now()")
-    ),
+    Column("recorded_at", TIMESTAMP(timezone=True), nullable=False, server_default=text("now()")),
     Column("payload", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("token_ids", LargeBinary),  # little-endian int32, see store.tokens
     Column("logprobs", LargeBinary),  # little-endian float32, one per token id
@@ -77,10 +75,15 @@ events = Table(
     Index(None, "run_id"),
 )
 
+
+def _ddl(statement: str) -> DDL:
+    return DDL(statement)  # type: ignore[no-untyped-call]
+
+
 # Each statement on its own: the asyncpg driver prepares statements, one command each. DDL() formats
 # its text with `%`, hence the doubled `%%` in RAISE.
 EVENTS_DDL = [
-    DDL(
+    _ddl(
         """
 CREATE FUNCTION trajstore_refuse_change() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -90,19 +93,19 @@ BEGIN
 END
 $$"""
     ),
-    DDL(
+    _ddl(
         "CREATE TRIGGER events_no_update BEFORE UPDATE ON events "
         "FOR EACH ROW EXECUTE FUNCTION trajstore_refuse_change()"
     ),
-    DDL(
+    _ddl(
         "CREATE TRIGGER events_no_delete BEFORE DELETE ON events "
         "FOR EACH ROW EXECUTE FUNCTION trajstore_refuse_change()"
     ),
-    DDL(
+    _ddl(
         "CREATE TRIGGER events_no_truncate BEFORE TRUNCATE ON events "
         "FOR EACH STATEMENT EXECUTE FUNCTION trajstore_refuse_change()"
     ),
-    DDL(
+    _ddl(
         f"""
 CREATE FUNCTION trajstore_notify_append() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -111,11 +114,11 @@ BEGIN
 END
 $$"""
     ),
-    DDL(
+    _ddl(
         "CREATE TRIGGER events_notify AFTER INSERT ON events "
         "FOR EACH STATEMENT EXECUTE FUNCTION trajstore_notify_append()"
     ),
 ]
 
-for _ddl in EVENTS_DDL:
-    event.listen(events, "after_create", _ddl)
+for _statement in EVENTS_DDL:
+    event.listen(events, "after_create", _statement)

@@ -40,3 +40,7 @@ class StoreSettings(BaseSettings):
         le=65535,
         description="TCP port (127.0.0.1) of the embedded PostgreSQL.",
     )
+    pg_bin_dir: Path | None = Field(
+        default=None,
+        description="PostgreSQL server binaries for the embedded server (default: found).",
+    )

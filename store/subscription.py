@@ -9,16 +9,17 @@ the source of truth, and every (re)connect starts with a catch-up read from the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
 import asyncpg
 
 from store import queries
-from store.connection import CONNECTION_ERRORS, connect
+from store.connection import RETRYABLE_ERRORS, close_quietly, connect
 from store.errors import StoreUnavailable
-from store.eventstore import EventStore, to_recorded_event
 from store.events import RecordedEvent
+from store.eventstore import EventStore, to_recorded_event
 from store.schema import NOTIFY_CHANNEL
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class Subscription:
                 failing_since = None
                 async for event in self._follow():
                     yield event
-            except (*CONNECTION_ERRORS, StoreUnavailable) as exc:
+            except RETRYABLE_ERRORS as exc:
                 if self._closed:
                     break
                 now = loop.time()
@@ -102,10 +103,9 @@ class Subscription:
         conn = self._conn
         assert conn is not None
         while not self._closed:
-            try:
+            # A timeout is the poll: notifications are a hint, the read below is the truth.
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self.poll_interval)
-            except TimeoutError:
-                pass  # the poll: notifications are a hint, this read is the truth
             self._wake.clear()
             while True:
                 rows = await conn.fetch(
@@ -123,8 +123,4 @@ class Subscription:
 
     async def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is not None and not conn.is_closed():
-            try:
-                await conn.close(timeout=2)
-            except CONNECTION_ERRORS:
-                conn.terminate()
+        await close_quietly(conn)

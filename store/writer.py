@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -32,17 +33,16 @@ from typing import Any
 import asyncpg
 
 from store import queries
-from store.connection import CONNECTION_ERRORS, connect
+from store.connection import RETRYABLE_ERRORS, close_quietly, connect
 from store.errors import (
     BadEvent,
-    StoreError,
     StoreUnavailable,
     WriteFailed,
     WriterBackpressure,
     WriterClosed,
 )
-from store.eventstore import check_stream_id
 from store.events import NewEvent
+from store.eventstore import check_stream_id
 
 log = logging.getLogger(__name__)
 
@@ -262,10 +262,8 @@ class EventWriter:
                 continue
             if len(self._queue) < self.batch_size and not self._closing:
                 # Linger a little so a busy proxy commits many events per transaction.
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._hurry.wait(), timeout=self.flush_interval)
-                except TimeoutError:
-                    pass
             self._hurry.clear()
             n = min(self.batch_size, len(self._queue))
             batch = [self._queue.popleft() for _ in range(n)]
@@ -294,17 +292,28 @@ class EventWriter:
 
     async def _store_with_retries(self, batch: list[_Pending]) -> None:
         deadline = time.monotonic() + self.retry_timeout
-        maybe_stored = False  # after a lost connection we cannot know whether COMMIT happened
+        skip_stored = False  # set once some of the batch may already be in the table
+        looked_again = False
         attempt = 0
         while True:
             try:
                 conn = await self._connection()
-                await self._copy(conn, batch, skip_stored=maybe_stored)
+                await self._copy(conn, batch, skip_stored=skip_stored)
                 self.stats.batches += 1
                 return
-            except (*CONNECTION_ERRORS, StoreUnavailable) as exc:
+            except asyncpg.UniqueViolationError:
+                # A COPY refused midway can leave the protocol unusable: start afresh.
                 await self._drop_connection()
-                maybe_stored = True
+                if looked_again or not (skip_stored or len(batch) == 1):
+                    raise  # a real conflict; _store splits the batch to find the offender
+                # An id may be stored already: by our own earlier attempt whose COMMIT was still
+                # in flight when we looked (our COPY then waited for it on the unique index), or
+                # by a producer that resent an event. Look once more and write only what is new.
+                skip_stored = looked_again = True
+            except RETRYABLE_ERRORS as exc:
+                # The connection died; whether our COMMIT happened is unknown.
+                await self._drop_connection()
+                skip_stored = True
                 attempt += 1
                 self.stats.retries += 1
                 if time.monotonic() >= deadline:
@@ -313,17 +322,10 @@ class EventWriter:
                     ) from exc
                 log.warning("event writer lost PostgreSQL (%s); retry %d", exc, attempt)
                 await asyncio.sleep(min(1.0, 0.02 * 2**attempt))
-            except asyncpg.UniqueViolationError:
-                if maybe_stored or len(batch) == 1:
-                    # An id we sent may be stored already (a retried batch, or a producer that
-                    # resent an event): filter stored ids and try once more before splitting.
-                    conn = await self._connection()
-                    await self._copy(conn, batch, skip_stored=True)
-                    self.stats.batches += 1
-                    return
-                raise
 
-    async def _copy(self, conn: asyncpg.Connection, batch: list[_Pending], *, skip_stored: bool) -> None:
+    async def _copy(
+        self, conn: asyncpg.Connection, batch: list[_Pending], *, skip_stored: bool
+    ) -> None:
         async with conn.transaction():
             if skip_stored:
                 stored = {
@@ -363,8 +365,4 @@ class EventWriter:
 
     async def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is not None and not conn.is_closed():
-            try:
-                await conn.close(timeout=2)
-            except (*CONNECTION_ERRORS, StoreError):
-                conn.terminate()
+        await close_quietly(conn)

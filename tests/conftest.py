@@ -83,8 +83,9 @@ def server() -> Iterator[Server]:
     embedded = EmbeddedPostgres(world_readable_tempdir("trajstore-tests-"), free_port())
     embedded.start()
     try:
-        yield Server(user="trajstore", host=str(embedded.socket_dir), port=embedded.port,
-                     password=None)
+        yield Server(
+            user="trajstore", host=str(embedded.socket_dir), port=embedded.port, password=None
+        )
     finally:
         embedded.stop()
 

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
-from alembic import op
 from sqlalchemy.dialects import postgresql
+
+from alembic import op
 
 revision: str = "0001_events"
 down_revision: str | None = None
@@ -29,9 +30,7 @@ def upgrade() -> None:
     op.create_table(
         "events",
         sa.Column("position", sa.BigInteger, sa.Identity(always=True), nullable=False),
-        sa.Column(
-            "tx_id", _XID8(), nullable=False, server_default=sa.text("pg_current_xact_id()")
-        ),
+        sa.Column("tx_id", _XID8(), nullable=False, server_default=sa.text("pg_current_xact_id()")),
         sa.Column("event_id", postgresql.UUID(as_uuid=True), nullable=False),
         sa.Column("stream_id", sa.Text, nullable=False),
         sa.Column("stream_version", sa.BigInteger, nullable=False),
@@ -51,7 +50,9 @@ def upgrade() -> None:
         sa.Column("logprobs", sa.LargeBinary),
         sa.PrimaryKeyConstraint("position", name="pk_events"),
         sa.UniqueConstraint("event_id", name="uq_events_event_id"),
-        sa.UniqueConstraint("stream_id", "stream_version", name="uq_events_stream_id_stream_version"),
+        sa.UniqueConstraint(
+            "stream_id", "stream_version", name="uq_events_stream_id_stream_version"
+        ),
     )
     op.create_index("ix_events_tx_id_position", "events", ["tx_id", "position"])
     op.create_index("ix_events_session_id", "events", ["session_id"])

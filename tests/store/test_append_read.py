@@ -98,7 +98,9 @@ async def test_a_batch_overlapping_stored_events_is_refused(store: EventStore) -
 
 async def test_concurrent_any_appends_to_one_stream_all_land(store: EventStore) -> None:
     # Session-level facts may come from several proxy replicas at once.
-    events = [NewEvent(EventType.REWARD_ASSIGNED, session_id="s", payload={"i": i}) for i in range(20)]
+    events = [
+        NewEvent(EventType.REWARD_ASSIGNED, session_id="s", payload={"i": i}) for i in range(20)
+    ]
     await asyncio.gather(*(store.append(session_stream("s"), [e]) for e in events))
     stored = await store.read_stream(session_stream("s"))
     assert [e.stream_version for e in stored] == list(range(1, 21))
@@ -113,7 +115,11 @@ async def test_read_session_spans_its_streams_in_global_order(store: EventStore)
     await store.append(session_stream("s"), [NewEvent(EventType.SESSION_FINISHED, session_id="s")])
     events = await store.read_session("s")
     assert [e.stream_id for e in events] == [
-        "session-s", "request-r1", "request-r1", "request-r2", "session-s"
+        "session-s",
+        "request-r1",
+        "request-r1",
+        "request-r2",
+        "session-s",
     ]
     assert [e.position for e in events] == sorted(e.position for e in events)
 

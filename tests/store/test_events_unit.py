@@ -65,7 +65,7 @@ def test_one_logprob_per_token() -> None:
 
 
 def test_unknown_event_type_names_the_known_ones() -> None:
-    with pytest.raises(BadEvent, match="unknown event type 'compleshun'.*completion_chunk"):
+    with pytest.raises(BadEvent, match=r"unknown event type 'compleshun'.*completion_chunk"):
         NewEvent("compleshun")  # type: ignore[arg-type]
 
 

@@ -9,8 +9,8 @@ import asyncpg
 
 from store import EventStore, EventType, NewEvent
 from store.connection import asyncpg_dsn, connect
-from store.queries import APPEND
 from store.eventstore import insert_columns
+from store.queries import APPEND
 from tests.support import chunk_event
 
 

@@ -26,7 +26,8 @@ CATALOG_QUERIES = {
     "constraints": """
         SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid)
         FROM pg_constraint
-        WHERE connamespace = 'public'::regnamespace AND conrelid::regclass::text <> 'alembic_version'
+        WHERE connamespace = 'public'::regnamespace
+          AND conrelid::regclass::text <> 'alembic_version'
         ORDER BY 1, 2""",
     "indexes": """
         SELECT tablename, indexname, indexdef FROM pg_indexes

@@ -70,8 +70,8 @@ async def test_dropped_connection_mid_stream_gives_no_gap_and_no_duplicate(
 
     producer = asyncio.create_task(produce())
     killed = 0
-    for _ in range(3):
-        await eventually(lambda: len(consumer.events) > 10 * (killed + 1), timeout=10)
+    for round_ in range(1, 4):
+        await eventually(lambda: len(consumer.events) > 10 * round_, timeout=10)  # noqa: B023
         # The subscriber may be between connections right now: kill it once it is back.
         for _ in range(100):
             if await store.pool.fetchval(TERMINATE, APPLICATION_NAME):

@@ -33,8 +33,10 @@ async def stored_ids(store: EventStore) -> Counter[str]:
 
 async def test_everything_appended_is_durable_after_flush(store: EventStore) -> None:
     async with store.writer(flush_interval=0.002, batch_size=64) as writer:
-        events = {f"request-{r}": [chunk_event(f"s{r % 3}", seed=r * 100 + i) for i in range(20)]
-                  for r in range(10)}
+        events = {
+            f"request-{r}": [chunk_event(f"s{r % 3}", seed=r * 100 + i) for i in range(20)]
+            for r in range(10)
+        }
         for stream, stream_events in events.items():
             writer.append_many(stream, 1, stream_events)
         await writer.flush()
@@ -130,7 +132,7 @@ async def test_a_refused_event_fails_its_session_and_only_it(store: EventStore) 
         writer.append("request-bad", 1, chunk_event("bad", seed=1))
         writer.append("request-bad", 1, chunk_event("bad", seed=2))
         writer.append_many("request-good", 16, good[15:])
-        with pytest.raises(WriteFailed, match="1 events could not be stored.*UniqueViolation"):
+        with pytest.raises(WriteFailed, match=r"1 events could not be stored.*UniqueViolation"):
             await writer.flush(session_id="bad")
         await writer.flush(session_id="good")
         with pytest.raises(WriteFailed):
