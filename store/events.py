@@ -11,9 +11,9 @@ event carries its session id, so `read_session` needs no knowledge of the stream
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import IntEnum, StrEnum
 from typing import Any
 
@@ -25,6 +25,8 @@ from store.tokens import (
     LogprobsLike,
     TokenIds,
     TokenIdsLike,
+    decode_logprobs,
+    decode_token_ids,
     encode_logprobs,
     encode_token_ids,
 )
@@ -154,24 +156,135 @@ class NewEvent:
         object.__setattr__(self, "logprob_bytes", logprobs)
 
 
-@dataclass(frozen=True, slots=True)
 class RecordedEvent:
-    """An event as stored: its place in the log, its stream and its content."""
+    """An event as stored: its place in the log, its stream and its content.
 
-    position: int
-    tx_id: int
-    event_id: uuid.UUID
-    stream_id: str
-    stream_version: int
-    session_id: str | None
-    run_id: str | None
-    type: str  #: an `EventType` value (a str enum compares equal), or a newer type as text
-    recorded_at: datetime
-    payload: dict[str, Any]
-    token_ids: TokenIds | None
-    logprobs: Logprobs | None
+    A thin read-only view over the database row: nothing is decoded until it is asked for, so
+    reading many events costs little more than fetching them. The payload is parsed once, on
+    first access; token ids and logprobs are numpy views of the stored bytes.
+    """
+
+    __slots__ = ("_payload", "_row")
+
+    #: The columns a row holds, in `store.queries.EVENT_COLUMNS` order.
+    FIELDS = (
+        "position", "tx_id", "event_id", "stream_id", "stream_version", "session_id", "run_id",
+        "type", "recorded_at", "payload", "token_ids", "logprobs",
+    )  # fmt: skip
+
+    def __init__(self, row: Sequence[Any]) -> None:
+        self._row = row
+        self._payload: dict[str, Any] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        position: int,
+        event: NewEvent,
+        stream_id: str,
+        stream_version: int,
+        tx_id: int = 1,
+        recorded_at: datetime | None = None,
+    ) -> RecordedEvent:
+        """A recorded event made in memory (for tests and in-memory projections)."""
+        return cls(
+            (
+                position,
+                tx_id,
+                event.event_id,
+                stream_id,
+                stream_version,
+                event.session_id,
+                event.run_id,
+                event.type.value,
+                recorded_at or datetime.now(UTC),
+                event.payload_json,
+                event.token_bytes,
+                event.logprob_bytes,
+            )
+        )
+
+    @property
+    def position(self) -> int:
+        """The event's place in the log (unique, increasing with insertion)."""
+        return int(self._row[0])
+
+    @property
+    def tx_id(self) -> int:
+        """The id of the transaction that stored it; the log's order is (tx_id, position)."""
+        return int(self._row[1])
+
+    @property
+    def event_id(self) -> uuid.UUID:
+        """The id the writer gave the event (its idempotency key)."""
+        value = self._row[2]
+        return value if type(value) is uuid.UUID else uuid.UUID(str(value))
+
+    @property
+    def stream_id(self) -> str:
+        """The stream the event belongs to."""
+        return str(self._row[3])
+
+    @property
+    def stream_version(self) -> int:
+        """The event's number within its stream, from 1."""
+        return int(self._row[4])
+
+    @property
+    def session_id(self) -> str | None:
+        """The session (agent episode) the event belongs to, if any."""
+        return self._row[5]  # type: ignore[no-any-return]
+
+    @property
+    def run_id(self) -> str | None:
+        """The run the event belongs to, if any."""
+        return self._row[6]  # type: ignore[no-any-return]
+
+    @property
+    def type(self) -> str:
+        """An `EventType` value (a str enum compares equal), or a newer type as text."""
+        return str(self._row[7])
+
+    @property
+    def recorded_at(self) -> datetime:
+        """When the database stored the event (its transaction's start)."""
+        return self._row[8]  # type: ignore[no-any-return]
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        """The event's JSON payload, parsed on first access."""
+        if self._payload is None:
+            self._payload = orjson.loads(self._row[9])
+        return self._payload
+
+    @property
+    def token_ids(self) -> TokenIds | None:
+        """Token ids as int32, or None when the event carries none."""
+        return decode_token_ids(self._row[10])
+
+    @property
+    def logprobs(self) -> Logprobs | None:
+        """Logprobs as float32 (one per token id), or None."""
+        return decode_logprobs(self._row[11])
 
     @property
     def n_tokens(self) -> int:
         """How many token ids the event carries."""
-        return 0 if self.token_ids is None else len(self.token_ids)
+        data = self._row[10]
+        return 0 if data is None else len(data) // 4
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RecordedEvent):
+            return NotImplemented
+        return self.position == other.position and self.event_id == other.event_id
+
+    def __hash__(self) -> int:
+        return hash(self.position)
+
+    def __repr__(self) -> str:
+        return (
+            f"RecordedEvent(position={self.position}, type={self.type!r}, "
+            f"stream_id={self.stream_id!r}, stream_version={self.stream_version}, "
+            f"session_id={self.session_id!r}, n_tokens={self.n_tokens})"
+        )

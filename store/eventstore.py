@@ -17,7 +17,6 @@ from store import queries
 from store.connection import create_pool, unavailable_as_store_error
 from store.errors import BadEvent, ConcurrencyError, DuplicateEventError, SchemaNotReady
 from store.events import MAX_ID_LENGTH, ExpectedVersion, NewEvent, RecordedEvent
-from store.tokens import decode_logprobs, decode_token_ids
 
 if TYPE_CHECKING:
     from store.subscription import Subscription
@@ -25,24 +24,6 @@ if TYPE_CHECKING:
 
 #: How often `append` retries after losing a race that may have been its own retry.
 _APPEND_ATTEMPTS = 3
-
-
-def to_recorded_event(row: asyncpg.Record) -> RecordedEvent:
-    """Build a `RecordedEvent` from a row selected with `queries.EVENT_COLUMNS`."""
-    return RecordedEvent(
-        position=row[0],
-        tx_id=row[1],
-        event_id=row[2],
-        stream_id=row[3],
-        stream_version=row[4],
-        session_id=row[5],
-        run_id=row[6],
-        type=row[7],
-        recorded_at=row[8],
-        payload=row[9],
-        token_ids=decode_token_ids(row[10]),
-        logprobs=decode_logprobs(row[11]),
-    )
 
 
 def check_stream_id(stream_id: str) -> None:
@@ -179,13 +160,13 @@ class EventStore:
         """The events of one stream in version order, after `after_version`."""
         async with unavailable_as_store_error():
             rows = await self.pool.fetch(queries.READ_STREAM, stream_id, after_version, limit)
-        return [to_recorded_event(r) for r in rows]
+        return [RecordedEvent(r) for r in rows]
 
     async def read_session(self, session_id: str) -> list[RecordedEvent]:
         """Every event of a session, across all its streams, in the log's global order."""
         async with unavailable_as_store_error():
             rows = await self.pool.fetch(queries.READ_SESSION, session_id)
-        return [to_recorded_event(r) for r in rows]
+        return [RecordedEvent(r) for r in rows]
 
     async def read_all(self, *, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
         """Up to `limit` events in global order, after the event at position `after` (0: start).
@@ -196,7 +177,7 @@ class EventStore:
         async with unavailable_as_store_error(), self.pool.acquire() as conn:
             tx_id = await self.tx_id_of(conn, after)
             rows = await conn.fetch(queries.READ_ALL, tx_id, after, limit)
-        return [to_recorded_event(r) for r in rows]
+        return [RecordedEvent(r) for r in rows]
 
     @staticmethod
     async def tx_id_of(conn: asyncpg.Connection, position: int) -> int:

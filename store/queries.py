@@ -5,6 +5,7 @@ Hot paths use asyncpg directly; these are plain strings with positional paramete
 
 from __future__ import annotations
 
+#: The columns of a `RecordedEvent`, in its order.
 EVENT_COLUMNS = (
     "position, tx_id, event_id, stream_id, stream_version, session_id, run_id, event_type, "
     "recorded_at, payload, token_ids, logprobs"

@@ -71,7 +71,8 @@ events = Table(
     UniqueConstraint("event_id"),
     UniqueConstraint("stream_id", "stream_version"),
     Index(None, "tx_id", "position"),
-    Index(None, "session_id"),
+    # read_session: a session's events in log order, straight from the index, no sort.
+    Index(None, "session_id", "tx_id", "position"),
     Index(None, "run_id"),
 )
 

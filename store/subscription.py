@@ -19,7 +19,7 @@ from store import queries
 from store.connection import RETRYABLE_ERRORS, close_quietly, connect
 from store.errors import StoreUnavailable
 from store.events import RecordedEvent
-from store.eventstore import EventStore, to_recorded_event
+from store.eventstore import EventStore
 from store.schema import NOTIFY_CHANNEL
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class Subscription:
                     queries.READ_ALL, self._tx_id, self.position, self.batch_size
                 )
                 for row in rows:
-                    event = to_recorded_event(row)
+                    event = RecordedEvent(row)
                     self._tx_id, self.position = event.tx_id, event.position
                     yield event
                 if len(rows) < self.batch_size:

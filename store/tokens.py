@@ -7,6 +7,7 @@ than `int4[]`/`float4[]`, and about 7x smaller than one row per token.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -51,15 +52,23 @@ def encode_logprobs(logprobs: LogprobsLike) -> bytes:
     return array.astype(LOGPROB_DTYPE, copy=False).tobytes()
 
 
+# On a little-endian host (nearly all) the stored bytes are already native: decoding is a view.
+_NATIVE = sys.byteorder == "little"
+
+
 def decode_token_ids(data: bytes | None) -> TokenIds | None:
-    """Unpack int32 token ids; the result is a read-only view of `data` in native order."""
+    """Unpack int32 token ids; a read-only view of `data` (a copy on big-endian hosts)."""
     if data is None:
         return None
-    return np.frombuffer(data, dtype=TOKEN_DTYPE).astype(np.int32, copy=False)
+    if _NATIVE:
+        return np.frombuffer(data, dtype=np.int32)
+    return np.frombuffer(data, dtype=TOKEN_DTYPE).astype(np.int32)
 
 
 def decode_logprobs(data: bytes | None) -> Logprobs | None:
-    """Unpack float32 logprobs; the result is a read-only view of `data` in native order."""
+    """Unpack float32 logprobs; a read-only view of `data` (a copy on big-endian hosts)."""
     if data is None:
         return None
-    return np.frombuffer(data, dtype=LOGPROB_DTYPE).astype(np.float32, copy=False)
+    if _NATIVE:
+        return np.frombuffer(data, dtype=np.float32)
+    return np.frombuffer(data, dtype=LOGPROB_DTYPE).astype(np.float32)

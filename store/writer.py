@@ -49,27 +49,24 @@ log = logging.getLogger(__name__)
 APPLICATION_NAME = "trajstore-writer"
 
 
-@dataclass(slots=True)
-class _Pending:
-    seq: int
-    stream_id: str
-    stream_version: int
-    event: NewEvent
-    enqueued_at: float
+#: A queued event is the very tuple COPY sends, in `queries.INSERT_COLUMNS` order: building it
+#: once, when the event is appended, is all the per-event work the writer does in Python.
+Row = tuple[Any, ...]
+_EVENT_ID, _SESSION_ID, _TOKEN_IDS = 0, 3, 7
 
-    def record(self) -> tuple[Any, ...]:
-        e = self.event
-        return (
-            e.event_id,
-            self.stream_id,
-            self.stream_version,
-            e.session_id,
-            e.run_id,
-            e.type.value,
-            e.payload_json,
-            e.token_bytes,
-            e.logprob_bytes,
-        )
+
+def _row(stream_id: str, stream_version: int, e: NewEvent) -> Row:
+    return (
+        e.event_id,
+        stream_id,
+        stream_version,
+        e.session_id,
+        e.run_id,
+        e.type.value,
+        e.payload_json,
+        e.token_bytes,
+        e.logprob_bytes,
+    )
 
 
 @dataclass(slots=True)
@@ -111,10 +108,12 @@ class EventWriter:
         self.retry_timeout = retry_timeout
         self.admit_limit = int(max_pending * admit_fraction)
         self.stats = WriterStats()
-        self._queue: collections.deque[_Pending] = collections.deque()
+        # Events are numbered 1, 2, ... in the order they are appended (their "seq"); the queue
+        # holds those after self._done + len(in-flight batch), in order.
+        self._queue: collections.deque[Row] = collections.deque()
         self._enqueued = 0  # seq of the last event appended
         self._done = 0  # every seq <= this has been stored or has failed
-        self._inflight_since: float | None = None
+        self._arrivals: collections.deque[tuple[int, float]] = collections.deque()  # (seq, time)
         self._failures: list[tuple[int, str | None, str]] = []  # (seq, session_id, reason)
         self._reported = 0  # failures up to this seq were raised by a global flush()
         self._has_work = asyncio.Event()
@@ -167,11 +166,9 @@ class EventWriter:
     @property
     def lag(self) -> float:
         """Seconds the oldest pending event has been waiting (0 when nothing is pending)."""
-        if self._inflight_since is not None:
-            return time.monotonic() - self._inflight_since
-        if self._queue:
-            return time.monotonic() - self._queue[0].enqueued_at
-        return 0.0
+        while self._arrivals and self._arrivals[0][0] <= self._done:
+            self._arrivals.popleft()
+        return time.monotonic() - self._arrivals[0][1] if self._arrivals else 0.0
 
     def retry_after(self) -> float:
         """A client's fair wait, in seconds, for the backlog to drain at the recent pace."""
@@ -185,19 +182,28 @@ class EventWriter:
         Raises `WriterBackpressure` when `max_pending` events are waiting (use `put()` to wait
         instead), `WriterClosed` after `close()`.
         """
+        return self.append_many(stream_id, stream_version, (event,))
+
+    def append_many(self, stream_id: str, first_version: int, events: Sequence[NewEvent]) -> int:
+        """Queue consecutive events of one stream, numbered from `first_version`; never waits.
+
+        Returns the sequence number of the last. All or none are queued.
+        """
         if self._closing or self._task is None:
             raise WriterClosed("the event writer is closed" if self._closing else "not started")
         if self.pending >= self.max_pending:
             raise WriterBackpressure(self.pending, self.max_pending, self.retry_after())
-        if not isinstance(event, NewEvent):
-            raise BadEvent(f"the writer takes NewEvent objects, got {type(event).__name__}")
         check_stream_id(stream_id)
-        if stream_version < 1:
-            raise BadEvent(f"stream versions start at 1, got {stream_version}")
-        self._enqueued += 1
-        self._queue.append(
-            _Pending(self._enqueued, stream_id, stream_version, event, time.monotonic())
-        )
+        if first_version < 1:
+            raise BadEvent(f"stream versions start at 1, got {first_version}")
+        rows = []
+        for version, event in enumerate(events, start=first_version):
+            if not isinstance(event, NewEvent):
+                raise BadEvent(f"the writer takes NewEvent objects, got {type(event).__name__}")
+            rows.append(_row(stream_id, version, event))
+        self._queue.extend(rows)
+        self._enqueued += len(rows)
+        self._arrivals.append((self._enqueued, time.monotonic()))
         self._has_work.set()
         return self._enqueued
 
@@ -207,13 +213,6 @@ class EventWriter:
             async with self._progress:
                 await self._progress.wait()
         return self.append(stream_id, stream_version, event)
-
-    def append_many(self, stream_id: str, first_version: int, events: Sequence[NewEvent]) -> int:
-        """Queue consecutive events of one stream; returns the last sequence number."""
-        seq = 0
-        for offset, event in enumerate(events):
-            seq = self.append(stream_id, first_version + offset, event)
-        return seq
 
     async def flush(self, session_id: str | None = None) -> None:
         """Wait until every event appended so far is durable.
@@ -267,30 +266,28 @@ class EventWriter:
             self._hurry.clear()
             n = min(self.batch_size, len(self._queue))
             batch = [self._queue.popleft() for _ in range(n)]
-            self._inflight_since = batch[0].enqueued_at
             started = time.monotonic()
-            await self._store(batch)
+            await self._store(batch, first_seq=self._done + 1)
             self.stats.batch_seconds.append(time.monotonic() - started)
-            self._inflight_since = None
             async with self._progress:
-                self._done = batch[-1].seq
+                self._done += n
                 self._progress.notify_all()
 
-    async def _store(self, batch: list[_Pending]) -> None:
+    async def _store(self, batch: list[Row], first_seq: int) -> None:
         """Store a batch with retries; isolate and report events the database refuses."""
         try:
             await self._store_with_retries(batch)
         except asyncpg.PostgresError as exc:
             if len(batch) == 1:
-                self._fail(batch, f"{type(exc).__name__}: {exc}")
+                self._fail(batch, first_seq, f"{type(exc).__name__}: {exc}")
             else:
                 half = len(batch) // 2
-                await self._store(batch[:half])
-                await self._store(batch[half:])
+                await self._store(batch[:half], first_seq)
+                await self._store(batch[half:], first_seq + half)
         except StoreUnavailable as exc:
-            self._fail(batch, str(exc))
+            self._fail(batch, first_seq, str(exc))
 
-    async def _store_with_retries(self, batch: list[_Pending]) -> None:
+    async def _store_with_retries(self, batch: list[Row]) -> None:
         deadline = time.monotonic() + self.retry_timeout
         skip_stored = False  # set once some of the batch may already be in the table
         looked_again = False
@@ -323,39 +320,32 @@ class EventWriter:
                 log.warning("event writer lost PostgreSQL (%s); retry %d", exc, attempt)
                 await asyncio.sleep(min(1.0, 0.02 * 2**attempt))
 
-    async def _copy(
-        self, conn: asyncpg.Connection, batch: list[_Pending], *, skip_stored: bool
-    ) -> None:
+    async def _copy(self, conn: asyncpg.Connection, batch: list[Row], *, skip_stored: bool) -> None:
         async with conn.transaction():
+            todo = batch
             if skip_stored:
-                stored = {
-                    row[0]
-                    for row in await conn.fetch(
-                        queries.EXISTING_EVENT_IDS, [p.event.event_id for p in batch]
-                    )
-                }
-                todo = [p for p in batch if p.event.event_id not in stored]
-            else:
-                todo = batch
+                ids = [row[_EVENT_ID] for row in batch]
+                stored = {r[0] for r in await conn.fetch(queries.EXISTING_EVENT_IDS, ids)}
+                todo = [row for row in batch if row[_EVENT_ID] not in stored]
             if todo:
                 await conn.copy_records_to_table(
-                    "events", records=[p.record() for p in todo], columns=queries.INSERT_COLUMNS
+                    "events", records=todo, columns=queries.INSERT_COLUMNS
                 )
         self.stats.events_written += len(todo)
-        self.stats.tokens_written += sum(
-            len(p.event.token_bytes) // 4 for p in todo if p.event.token_bytes
-        )
+        self.stats.tokens_written += sum(len(row[_TOKEN_IDS] or b"") // 4 for row in todo)
 
-    def _fail(self, batch: list[_Pending], reason: str) -> None:
+    def _fail(self, batch: list[Row], first_seq: int, reason: str) -> None:
         self.stats.events_failed += len(batch)
-        sessions = sorted({p.event.session_id or "-" for p in batch})
+        sessions = sorted({row[_SESSION_ID] or "-" for row in batch})
         log.error(
             "event writer could not store %d events (sessions: %s): %s",
             len(batch),
             ", ".join(sessions[:10]),
             reason,
         )
-        self._failures.extend((p.seq, p.event.session_id, reason) for p in batch)
+        self._failures.extend(
+            (seq, row[_SESSION_ID], reason) for seq, row in enumerate(batch, start=first_seq)
+        )
 
     async def _connection(self) -> asyncpg.Connection:
         if self._conn is None or self._conn.is_closed():

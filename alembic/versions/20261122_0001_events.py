@@ -55,7 +55,9 @@ def upgrade() -> None:
         ),
     )
     op.create_index("ix_events_tx_id_position", "events", ["tx_id", "position"])
-    op.create_index("ix_events_session_id", "events", ["session_id"])
+    op.create_index(
+        "ix_events_session_id_tx_id_position", "events", ["session_id", "tx_id", "position"]
+    )
     op.create_index("ix_events_run_id", "events", ["run_id"])
     op.execute(
         """

@@ -1,0 +1,287 @@
+"""Ingest and read throughput of the event store, against raw asyncpg in the same run.
+
+    python benchmarks/ingest.py [--tokens 1000000] [--runs 5]
+
+Writes realistic completion chunks (16 tokens, float32 logprobs, ~120 B of JSON) for many
+request streams through `EventWriter`, and the same rows with a raw asyncpg COPY into a scratch
+table shaped like `events` (same columns, indexes and defaults; no triggers), in batches of the
+same size. Each measurement gets a fresh database cloned from a migrated template, so runs do
+not slow each other down. Then reads them back: `read_session` and `read_all` against plain
+SELECTs of the same rows and columns (token ids turned into numpy arrays, as any reader must).
+
+The database is TRAJSTORE_DATABASE_URL's server, else the embedded one; it needs the right to
+create databases. Prints medians and ratios (trajstore / raw): higher is better.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import asyncpg
+import numpy as np
+
+from store import EventStore, EventType, NewEvent, RecordedEvent, migrations
+from store.connection import asyncpg_dsn, connect
+from store.embedded import database_url
+from store.queries import INSERT_COLUMNS
+
+TOKENS_PER_CHUNK = 16
+CHUNKS_PER_REQUEST = 64
+REQUESTS_PER_SESSION = 8
+BATCH_SIZE = 5_000
+#: The raw reads fetch every column of an event too, with asyncpg's default codecs.
+RAW_COLUMNS = (
+    "position, tx_id, event_id, stream_id, stream_version, session_id, run_id, event_type, "
+    "recorded_at, payload, token_ids, logprobs"
+)
+
+
+@dataclass
+class Workload:
+    """The events to write, grouped by request stream."""
+
+    streams: list[tuple[str, list[NewEvent]]]
+    sessions: list[str]
+
+    @property
+    def n_events(self) -> int:
+        return sum(len(events) for _, events in self.streams)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_events * TOKENS_PER_CHUNK
+
+
+def make_workload(n_tokens: int, seed: int = 0) -> Workload:
+    """Chunk events like the proxy records, for about `n_tokens` tokens."""
+    rng = np.random.default_rng(seed)
+    n_requests = max(1, n_tokens // (TOKENS_PER_CHUNK * CHUNKS_PER_REQUEST))
+    streams, sessions = [], []
+    for r in range(n_requests):
+        session = f"session-{r // REQUESTS_PER_SESSION}"
+        if not sessions or sessions[-1] != session:
+            sessions.append(session)
+        events = [
+            NewEvent(
+                EventType.COMPLETION_CHUNK,
+                session_id=session,
+                run_id="bench",
+                payload={"choice": 0, "text": "lorem ipsum dolor sit amet, " * 3, "n": c},
+                token_ids=rng.integers(0, 151_000, TOKENS_PER_CHUNK, dtype=np.int32),
+                logprobs=-rng.random(TOKENS_PER_CHUNK, dtype=np.float32) * 4,
+            )
+            for c in range(CHUNKS_PER_REQUEST)
+        ]
+        streams.append((f"request-{r}", events))
+    return Workload(streams, sessions)
+
+
+class Databases:
+    """Fresh databases cloned from one migrated template."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.template = f"trajstore_bench_template_{uuid.uuid4().hex[:8]}"
+        self.created: list[str] = []
+
+    def url_of(self, name: str) -> str:
+        base, _, query = self.url.partition("?")
+        head, _, _ = base.rpartition("/")
+        return f"{head}/{name}" + (f"?{query}" if query else "")
+
+    async def _admin(self, sql: str) -> None:
+        conn = await asyncpg.connect(asyncpg_dsn(self.url_of("postgres")))
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    async def setup(self) -> None:
+        await self._admin(f'CREATE DATABASE "{self.template}"')
+        self.created.append(self.template)
+        await asyncio.to_thread(migrations.upgrade, self.url_of(self.template))
+
+    async def fresh(self) -> str:
+        name = f"trajstore_bench_{uuid.uuid4().hex[:8]}"
+        await self._admin(f'CREATE DATABASE "{name}" TEMPLATE "{self.template}"')
+        self.created.append(name)
+        return self.url_of(name)
+
+    async def drop_all(self) -> None:
+        for name in reversed(self.created):
+            await self._admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+async def write_with_writer(url: str, workload: Workload) -> float:
+    """Seconds from the first append to a completed flush(), through EventWriter."""
+    async with await EventStore.open(url) as store:
+        writer = store.writer(batch_size=BATCH_SIZE, max_pending=10 * workload.n_events)
+        await writer.start()
+        started = time.perf_counter()
+        for stream, events in workload.streams:
+            writer.append_many(stream, 1, events)
+        await writer.flush()
+        elapsed = time.perf_counter() - started
+        await writer.close()
+    return elapsed
+
+
+async def write_with_raw_copy(url: str, workload: Workload) -> float:
+    """Seconds to COPY the same rows, in batches of the same size, into a scratch table."""
+    conn = await connect(url)
+    try:
+        await conn.execute("CREATE TABLE scratch (LIKE events INCLUDING ALL)")
+        records = [
+            (
+                e.event_id,
+                stream,
+                version,
+                e.session_id,
+                e.run_id,
+                e.type.value,
+                e.payload_json,
+                e.token_bytes,
+                e.logprob_bytes,
+            )
+            for stream, events in workload.streams
+            for version, e in enumerate(events, start=1)
+        ]
+        started = time.perf_counter()
+        for i in range(0, len(records), BATCH_SIZE):
+            async with conn.transaction():
+                await conn.copy_records_to_table(
+                    "scratch", records=records[i : i + BATCH_SIZE], columns=INSERT_COLUMNS
+                )
+        return time.perf_counter() - started
+    finally:
+        await conn.close()
+
+
+def tokens_of(event: RecordedEvent) -> int:
+    """Touch the token ids and logprobs as numpy arrays, as the raw readers do."""
+    ids, logprobs = event.token_ids, event.logprobs
+    assert ids is not None and logprobs is not None
+    return len(ids)
+
+
+async def read_sessions(store: EventStore, sessions: list[str]) -> int:
+    tokens = 0
+    for session in sessions:
+        tokens += sum(tokens_of(e) for e in await store.read_session(session))
+    return tokens
+
+
+async def read_sessions_raw(conn: asyncpg.Connection, sessions: list[str]) -> int:
+    tokens = 0
+    for session in sessions:
+        rows = await conn.fetch(
+            f"SELECT {RAW_COLUMNS} FROM events WHERE session_id = $1 ORDER BY position", session
+        )
+        for row in rows:
+            tokens += len(np.frombuffer(row["token_ids"], dtype="<i4"))
+            np.frombuffer(row["logprobs"], dtype="<f4")
+    return tokens
+
+
+async def read_all(store: EventStore) -> int:
+    tokens, after = 0, 0
+    while page := await store.read_all(after=after, limit=BATCH_SIZE):
+        tokens += sum(tokens_of(e) for e in page)
+        after = page[-1].position
+    return tokens
+
+
+async def read_all_raw(conn: asyncpg.Connection) -> int:
+    tokens, after = 0, 0
+    while rows := await conn.fetch(
+        f"SELECT {RAW_COLUMNS} FROM events WHERE position > $1 ORDER BY position LIMIT $2",
+        after,
+        BATCH_SIZE,
+    ):
+        for row in rows:
+            tokens += len(np.frombuffer(row["token_ids"], dtype="<i4"))
+            np.frombuffer(row["logprobs"], dtype="<f4")
+        after = rows[-1]["position"]
+    return tokens
+
+
+async def timed(work: Callable[[], Awaitable[int]]) -> tuple[float, int]:
+    started = time.perf_counter()
+    tokens = await work()
+    return time.perf_counter() - started, tokens
+
+
+def line(name: str, ours: list[float], raw: list[float], tokens: int) -> str:
+    mine, base = statistics.median(ours), statistics.median(raw)
+    return (
+        f"{name:<14} trajstore {tokens / mine / 1e6:6.2f} M tokens/s   "
+        f"raw {tokens / base / 1e6:6.2f} M tokens/s   ratio {base / mine:5.2f}x"
+    )
+
+
+async def main(n_tokens: int, runs: int) -> None:
+    url = await asyncio.to_thread(database_url)
+    started = time.perf_counter()
+    workload = make_workload(n_tokens)
+    build_seconds = time.perf_counter() - started
+    # The workload is scaffolding, not the system under test: keep the garbage collector from
+    # walking its ~10^6 objects during every measurement (on both sides alike).
+    gc.collect()
+    gc.freeze()
+    print(
+        f"workload: {workload.n_events} chunk events, {workload.n_tokens} tokens, "
+        f"{len(workload.streams)} request streams, {len(workload.sessions)} sessions; "
+        f"building the NewEvents took {build_seconds / workload.n_events * 1e6:.1f} us/event"
+    )
+    dbs = Databases(url)
+    await dbs.setup()
+    try:
+        write_ours, write_raw = [], []
+        for run in range(runs):
+            # Alternate which goes first, so neither always gets the warmer server.
+            order = [("ours", write_with_writer), ("raw", write_with_raw_copy)]
+            for name, write in order if run % 2 == 0 else order[::-1]:
+                seconds = await write(await dbs.fresh(), workload)
+                (write_ours if name == "ours" else write_raw).append(seconds)
+        reads: dict[str, list[float]] = {
+            k: [] for k in ("session", "session raw", "all", "all raw")
+        }
+        read_url = await dbs.fresh()
+        await write_with_writer(read_url, workload)
+        async with await EventStore.open(read_url) as store:
+            raw_conn = await asyncpg.connect(asyncpg_dsn(read_url))
+            try:
+                for _ in range(runs):
+                    for key, work in (
+                        ("session", lambda: read_sessions(store, workload.sessions)),
+                        ("session raw", lambda: read_sessions_raw(raw_conn, workload.sessions)),
+                        ("all", lambda: read_all(store)),
+                        ("all raw", lambda: read_all_raw(raw_conn)),
+                    ):
+                        seconds, tokens = await timed(work)
+                        assert tokens == workload.n_tokens, (key, tokens)
+                        reads[key].append(seconds)
+            finally:
+                await raw_conn.close()
+    finally:
+        await dbs.drop_all()
+
+    print(f"medians of {runs} runs; ratio = raw time / trajstore time (1.00x = as fast as raw)")
+    print(line("write", write_ours, write_raw, workload.n_tokens))
+    print(line("read_session", reads["session"], reads["session raw"], workload.n_tokens))
+    print(line("read_all", reads["all"], reads["all raw"], workload.n_tokens))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1_000_000, help="tokens to write per run")
+    parser.add_argument("--runs", type=int, default=7, help="runs per measurement")
+    args = parser.parse_args()
+    asyncio.run(main(args.tokens, args.runs))
