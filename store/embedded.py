@@ -166,16 +166,13 @@ def _can_enter(path: Path, user: ServerUser) -> bool:
     return bool(st.st_mode & stat.S_IXOTH)
 
 
-def _check_reachable(path: Path, user: ServerUser, what: str) -> None:
-    """Fail clearly when `user` cannot walk down to `path` (root's home is the usual culprit)."""
+def _blocking_parent(path: Path, user: ServerUser) -> Path | None:
+    """The first directory on the way to `path` that `user` cannot enter, if any."""
     resolved = path.resolve()
     for parent in [*reversed(resolved.parents), resolved]:
         if not _can_enter(parent, user):
-            raise EmbeddedServerError(
-                f"the PostgreSQL server runs as user {user.name!r}, which cannot enter "
-                f"{parent} to reach the {what} at {path}; choose a TRAJSTORE_DATA_DIR outside "
-                "it (for example under /var/lib or /tmp)"
-            )
+            return parent
+    return None
 
 
 def _port_free(port: int) -> bool:
@@ -234,9 +231,7 @@ class EmbeddedPostgres:
         return (self.pgdata / "PG_VERSION").is_file()
 
     def bin_dir(self) -> Path:
-        """The binaries of this cluster: those it was made with, else the best on the machine."""
-        if self._bin_dir is not None:
-            return find_binaries(self._bin_dir)
+        """The binaries of this cluster: those it was made with, else the configured or best."""
         recorded = self._config().get("bin_dir")
         if recorded and self.initialised:
             path = Path(recorded)
@@ -246,7 +241,7 @@ class EmbeddedPostgres:
                     f"{path}, which are gone; reinstall them or move the data directory away"
                 )
             return path
-        return find_binaries()
+        return find_binaries(self._bin_dir)
 
     def running_pid(self) -> int | None:
         """The server's pid when it runs; None when it does not (a stale pid file included)."""
@@ -326,8 +321,15 @@ class EmbeddedPostgres:
     def _initialise(self, user: ServerUser) -> None:
         bin_dir = self.bin_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        _check_reachable(self.data_dir, user, "data directory")
-        _check_reachable(bin_dir / "postgres", user, "PostgreSQL binaries")
+        blocked = _blocking_parent(self.data_dir, user)
+        if blocked is not None:
+            raise EmbeddedServerError(
+                f"the PostgreSQL server runs as user {user.name!r}, which cannot enter "
+                f"{blocked} to reach the data directory {self.data_dir}; choose a "
+                "TRAJSTORE_DATA_DIR it can reach (for example under /var/lib or /tmp)"
+            )
+        if _blocking_parent(bin_dir / "postgres", user) is not None:
+            bin_dir = self._private_binaries(bin_dir)
         for directory in (self.pgdata, self.socket_dir):
             directory.mkdir(mode=0o700, exist_ok=True)
             os.chown(directory, user.uid, user.gid)
@@ -351,6 +353,31 @@ class EmbeddedPostgres:
         config = {"bin_dir": str(bin_dir), "user": user.name, "port": self.port}
         self.config_file.write_text(json.dumps(config, indent=2) + "\n")
         log.info("initialised embedded PostgreSQL in %s with %s", self.pgdata, bin_dir)
+
+    def _private_binaries(self, bin_dir: Path) -> Path:
+        """Copy the server installation into the data directory, where the server user can go.
+
+        As root, the server user often cannot reach the binaries: pgserver's live in a virtual
+        environment, typically under root's home. Rather than widen permissions on someone's
+        directories, the installation (about 30 MB) is copied next to the data, once. The
+        wheel's binaries find their shared libraries through a relative RPATH
+        (`$ORIGIN/../../../pgserver.libs`), so the copy keeps the layout from site-packages down.
+        """
+        install = bin_dir.parent  # .../site-packages/pgserver/pginstall
+        root = install.parent.parent  # .../site-packages
+        target = self.data_dir / "pginstall"
+        parts = [install / part for part in ("bin", "lib", "share")]
+        parts += [p for p in root.glob("pgserver.libs") if p.is_dir()]
+        for source in parts:
+            if source.is_dir():
+                destination = target / source.relative_to(root)
+                shutil.copytree(source, destination, symlinks=True, dirs_exist_ok=True)
+        for path in [target, *target.rglob("*")]:
+            if path.is_symlink():
+                continue
+            path.chmod(0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644)
+        log.info("copied the PostgreSQL installation from %s to %s", install, target)
+        return target / bin_dir.relative_to(root)
 
     def _clear_stale_pid_file(self) -> None:
         # Called once we know no server runs here. A killed server leaves its pid file and the

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -186,3 +188,31 @@ async def test_writer_survives_a_server_crash_and_restart_exactly_once() -> None
         assert sorted(r[0] for r in rows) == sorted(expected)
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root's server runs as another user")
+def test_as_root_binaries_the_server_user_cannot_reach_are_copied_next_to_the_data(
+    tmp_path: Path,
+) -> None:
+    # pgserver inside a virtual environment under a private directory (root's home, a 0700
+    # checkout): the layout of site-packages, unreachable for the server user.
+    wheel_bin = pgserver_binaries()
+    assert wheel_bin is not None
+    site_packages = tmp_path / "venv" / "site-packages"
+    shutil.copytree(wheel_bin.parent, site_packages / "pgserver" / "pginstall", symlinks=True)
+    shutil.copytree(wheel_bin.parents[2] / "pgserver.libs", site_packages / "pgserver.libs")
+    tmp_path.chmod(0o700)
+    private_bin = site_packages / "pgserver" / "pginstall" / "bin"
+
+    cli = Cli(world_readable_tempdir("trajstore-copied-"), free_port(), private_bin)
+    try:
+        url = cli("db", "start").stdout.strip().splitlines()[-1]
+        cli("migrate")
+        assert asyncio.run(count_events(url)) == 0
+        recorded = Path(json.loads(cli.server.config_file.read_text())["bin_dir"])
+        assert recorded.is_relative_to(cli.server.data_dir)
+        cli("db", "stop")
+        cli("db", "start")  # the copy is what the cluster uses from now on
+        assert cli.server.running_pid() is not None
+    finally:
+        cli.server.stop()
