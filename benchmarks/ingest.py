@@ -31,6 +31,7 @@ from store import EventStore, EventType, NewEvent, RecordedEvent, migrations
 from store.connection import asyncpg_dsn, connect
 from store.embedded import database_url
 from store.queries import INSERT_COLUMNS
+from store.writer import copy_row
 
 TOKENS_PER_CHUNK = 16
 CHUNKS_PER_REQUEST = 64
@@ -139,17 +140,7 @@ async def write_with_raw_copy(url: str, workload: Workload) -> float:
     try:
         await conn.execute("CREATE TABLE scratch (LIKE events INCLUDING ALL)")
         records = [
-            (
-                e.event_id,
-                stream,
-                version,
-                e.session_id,
-                e.run_id,
-                e.type.value,
-                e.payload_json,
-                e.token_bytes,
-                e.logprob_bytes,
-            )
+            copy_row(stream, version, e)
             for stream, events in workload.streams
             for version, e in enumerate(events, start=1)
         ]

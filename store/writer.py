@@ -55,7 +55,8 @@ Row = tuple[Any, ...]
 _EVENT_ID, _SESSION_ID, _TOKEN_IDS = 0, 3, 7
 
 
-def _row(stream_id: str, stream_version: int, e: NewEvent) -> Row:
+def copy_row(stream_id: str, stream_version: int, e: NewEvent) -> Row:
+    """The tuple COPY sends for one event, in `queries.INSERT_COLUMNS` order."""
     return (
         e.event_id,
         stream_id,
@@ -200,7 +201,7 @@ class EventWriter:
         for version, event in enumerate(events, start=first_version):
             if not isinstance(event, NewEvent):
                 raise BadEvent(f"the writer takes NewEvent objects, got {type(event).__name__}")
-            rows.append(_row(stream_id, version, event))
+            rows.append(copy_row(stream_id, version, event))
         self._queue.extend(rows)
         self._enqueued += len(rows)
         self._arrivals.append((self._enqueued, time.monotonic()))

@@ -8,6 +8,7 @@ that Alembic migrated once per session (pytest-postgresql's janitor does the clo
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
@@ -103,28 +104,30 @@ def template_db(server: Server) -> Iterator[str]:
         janitor.drop()
 
 
-@pytest.fixture
-def database_url(server: Server, template_db: str) -> Iterator[str]:
-    """A fresh, migrated database for one test."""
+@contextlib.contextmanager
+def fresh_database(server: Server, template: str | None = None) -> Iterator[str]:
+    """A new database (a clone of `template` when given), dropped afterwards; yields its URL."""
     name = f"trajstore_test_{os.getpid()}_{next(_db_numbers)}"
-    janitor = server.janitor(name, template_dbname=template_db)
+    janitor = server.janitor(name, template_dbname=template)
     janitor.init()
     try:
         yield server.url(name)
     finally:
         janitor.drop()
+
+
+@pytest.fixture
+def database_url(server: Server, template_db: str) -> Iterator[str]:
+    """A fresh, migrated database for one test."""
+    with fresh_database(server, template_db) as url:
+        yield url
 
 
 @pytest.fixture
 def empty_database_url(server: Server) -> Iterator[str]:
     """A fresh database with no schema at all."""
-    name = f"trajstore_empty_{os.getpid()}_{next(_db_numbers)}"
-    janitor = server.janitor(name)
-    janitor.init()
-    try:
-        yield server.url(name)
-    finally:
-        janitor.drop()
+    with fresh_database(server) as url:
+        yield url
 
 
 @pytest.fixture
