@@ -106,7 +106,8 @@ def db_start(ctx: click.Context) -> None:
     """Start the private server (creating it the first time); harmless when it runs."""
     server = EmbeddedPostgres.from_settings(_settings(ctx))
     url = server.start()
-    click.echo(f"embedded PostgreSQL running in {server.data_dir}")
+    state = "already running" if server.reused else "started"
+    click.echo(f"embedded PostgreSQL {state} in {server.data_dir} (port {server.port})")
     click.echo(url)
 
 

@@ -42,6 +42,7 @@ from store.settings import StoreSettings
 log = logging.getLogger(__name__)
 
 DATABASE = "trajstore"
+DEFAULT_PORT = 54329
 SUPERUSER = "trajstore"
 _REQUIRED_BINARIES = ("initdb", "pg_ctl", "postgres", "psql")
 
@@ -201,15 +202,18 @@ def _process_is_postgres(pid: int) -> bool:
 class EmbeddedPostgres:
     """A private PostgreSQL server living in `data_dir`."""
 
-    def __init__(self, data_dir: Path, port: int, bin_dir: Path | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, port: int | None = None, bin_dir: Path | None = None
+    ) -> None:
         self.data_dir = Path(data_dir).absolute()
-        self.port = port
+        self._port = port
         self._bin_dir = bin_dir
         self.pgdata = self.data_dir / "pgdata"
         self.socket_dir = self.data_dir / "run"
         self.logfile = self.data_dir / "postgres.log"
         self.config_file = self.data_dir / "embedded.json"
         self.password_file = self.data_dir / "password"
+        self.reused = False  #: whether the last start() found the server already running
 
     @classmethod
     def from_settings(cls, settings: StoreSettings) -> EmbeddedPostgres:
@@ -217,6 +221,11 @@ class EmbeddedPostgres:
         return cls(settings.data_dir, settings.embedded_port, settings.pg_bin_dir)
 
     # -- what is there ------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        """The TCP port: the one asked for, else the one the cluster was made with, else 54329."""
+        return self._port or int(self._config().get("port") or DEFAULT_PORT)
 
     def _config(self) -> dict[str, Any]:
         try:
@@ -285,8 +294,10 @@ class EmbeddedPostgres:
             self._initialise(user)
         if self.running_pid() is not None:
             log.info("embedded PostgreSQL already runs in %s", self.data_dir)
+            self.reused = True
             self._ensure_database()
             return self.url()
+        self.reused = False
         self._clear_stale_pid_file()
         if not _port_free(self.port):
             raise EmbeddedServerError(

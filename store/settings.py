@@ -34,11 +34,12 @@ class StoreSettings(BaseSettings):
         default_factory=default_data_dir,
         description="Directory of the embedded PostgreSQL (its data, socket and log).",
     )
-    embedded_port: int = Field(
-        default=54329,
+    embedded_port: int | None = Field(
+        default=None,
         ge=1,
         le=65535,
-        description="TCP port (127.0.0.1) of the embedded PostgreSQL.",
+        description="TCP port (127.0.0.1) of the embedded PostgreSQL; unset: the port it was "
+        "made with, else 54329.",
     )
     pg_bin_dir: Path | None = Field(
         default=None,

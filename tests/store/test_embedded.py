@@ -85,7 +85,9 @@ def test_start_migrate_reuse_stop_and_keep_data(cli: Cli) -> None:
     asyncio.run(append_one(url))
 
     # Starting again reuses the running server.
-    assert cli("db", "start").stdout.strip().splitlines()[-1] == url
+    again = cli("db", "start").stdout
+    assert "already running" in again
+    assert again.strip().splitlines()[-1] == url
     assert cli.server.running_pid() == pid
     status = cli("db", "status")
     assert f"running (pid {pid})" in status.stdout
@@ -96,8 +98,11 @@ def test_start_migrate_reuse_stop_and_keep_data(cli: Cli) -> None:
     assert stopped.returncode == 3 and "stopped" in stopped.stdout
     assert cli("db", "stop").stdout.strip() == "not running"
 
-    cli("db", "start")
+    # The port chosen at creation is kept even when it is not asked for again.
+    del cli.env["TRAJSTORE_EMBEDDED_PORT"]
+    assert "started" in cli("db", "start").stdout
     cli("migrate")  # idempotent
+    assert cli("db", "url").stdout.strip() == url
     assert asyncio.run(count_events(url)) == 1
 
 

@@ -1,0 +1,224 @@
+"""A session as recorded, rebuilt from its events: what `GET /sessions/{id}` shows.
+
+This is the contract between the recorder (which writes these events) and every reader of them.
+A session's events live in two kinds of streams (see `store.events`):
+
+`session-<id>`
+    session_created    {run_id, task_id, group_id, metadata, deadline_s, created_at}
+    reward_assigned    {value, components, source}
+    session_finished   {status: completed|aborted|error|timeout, reason}
+    session_discarded  {reason}
+
+`request-<request_id>`, one per model call, in this order:
+    request_received     {request_id, api: chat|completions, body, sampling, engine,
+                          policy_version, logprobs_mode, stream, asked: {token_ids, logprobs,
+                          usage}, received_at}
+    prompt_tokens        token_ids = the prompt the engine saw; {choice: null}
+    completion_chunk     token_ids + logprobs of several generated tokens; {choice, text}
+    completion_finished  {choices: [{index, finish_reason, stop_reason, message, n_tokens}],
+                          usage, latency_s, ttft_s}
+  or request_failed      {reason, status, message, latency_s} (chunks already recorded stay:
+                          a failed or aborted request keeps its partial tokens)
+
+`body` is the agent's request as it sent it (no headers, so no keys); `asked` says which of the
+fields training needs the agent asked for itself (the proxy always asks the engine for them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from store.events import EventType, RecordedEvent
+from store.tokens import Logprobs, TokenIds
+
+
+@dataclass
+class ChoiceRecord:
+    """One generated choice of a turn: its tokens, their logprobs, how it ended."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    message: dict[str, Any] | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-able view."""
+        return {
+            "index": self.index,
+            "token_ids": self.token_ids,
+            "logprobs": self.logprobs,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+            "message": self.message,
+        }
+
+
+@dataclass
+class TurnRecord:
+    """One model request of a session, as recorded."""
+
+    request_id: str
+    api: str
+    body: dict[str, Any]
+    engine: str | None
+    policy_version: str | None
+    logprobs_mode: str | None
+    stream: bool
+    sampling: dict[str, Any]
+    prompt_token_ids: list[int] = field(default_factory=list)
+    choices: dict[int, ChoiceRecord] = field(default_factory=dict)
+    status: str = "in_progress"  # in_progress | completed | failed
+    failure: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+    latency_s: float | None = None
+    ttft_s: float | None = None
+    first_position: int = 0
+
+    def choice(self, index: int) -> ChoiceRecord:
+        """The choice with this index, created on first use."""
+        if index not in self.choices:
+            self.choices[index] = ChoiceRecord(index)
+        return self.choices[index]
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-able view: messages, tools, sampling, tokens, logprobs, outcome, timing."""
+        return {
+            "request_id": self.request_id,
+            "api": self.api,
+            "messages": self.body.get("messages"),
+            "prompt": self.body.get("prompt"),
+            "tools": self.body.get("tools"),
+            "sampling": self.sampling,
+            "stream": self.stream,
+            "engine": self.engine,
+            "policy_version": self.policy_version,
+            "logprobs_mode": self.logprobs_mode,
+            "prompt_token_ids": self.prompt_token_ids,
+            "choices": [self.choices[i].as_json() for i in sorted(self.choices)],
+            "status": self.status,
+            "failure": self.failure,
+            "usage": self.usage,
+            "latency_s": self.latency_s,
+            "ttft_s": self.ttft_s,
+        }
+
+
+@dataclass
+class SessionRecord:
+    """A session rebuilt from its events."""
+
+    session_id: str
+    run_id: str | None = None
+    task_id: str | None = None
+    group_id: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    deadline_s: float | None = None
+    created_at: float | None = None
+    status: str = "active"  # active | completed | aborted | error | timeout
+    finish_reason: str | None = None
+    discarded: str | None = None  # the reason, when discarded
+    rewards: list[dict[str, Any]] = field(default_factory=list)
+    turns: list[TurnRecord] = field(default_factory=list)
+    n_events: int = 0
+
+    @property
+    def reward(self) -> float | None:
+        """The last reward assigned (a later assignment corrects an earlier one)."""
+        return float(self.rewards[-1]["value"]) if self.rewards else None
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-able view of the whole session."""
+        return {
+            "session_id": self.session_id,
+            "run_id": self.run_id,
+            "task_id": self.task_id,
+            "group_id": self.group_id,
+            "metadata": self.metadata,
+            "deadline_s": self.deadline_s,
+            "created_at": self.created_at,
+            "status": self.status,
+            "finish_reason": self.finish_reason,
+            "discarded": self.discarded,
+            "reward": self.reward,
+            "rewards": self.rewards,
+            "turns": [t.as_json() for t in self.turns],
+            "n_events": self.n_events,
+        }
+
+
+def _ints(array: TokenIds | None) -> list[int]:
+    return [] if array is None else np.asarray(array).tolist()
+
+
+def _floats(array: Logprobs | None) -> list[float]:
+    return [] if array is None else np.asarray(array, dtype=np.float64).tolist()
+
+
+def rebuild_session(session_id: str, events: list[RecordedEvent]) -> SessionRecord:
+    """Fold a session's events (in log order) into a `SessionRecord`."""
+    session = SessionRecord(session_id, n_events=len(events))
+    turns: dict[str, TurnRecord] = {}
+    for event in events:
+        payload = event.payload
+        match event.type:
+            case EventType.SESSION_CREATED:
+                session.run_id = event.run_id
+                session.task_id = payload.get("task_id")
+                session.group_id = payload.get("group_id")
+                session.metadata = payload.get("metadata") or {}
+                session.deadline_s = payload.get("deadline_s")
+                session.created_at = payload.get("created_at")
+            case EventType.REWARD_ASSIGNED:
+                session.rewards.append(payload)
+            case EventType.SESSION_FINISHED:
+                session.status = payload.get("status", "completed")
+                session.finish_reason = payload.get("reason")
+            case EventType.SESSION_DISCARDED:
+                session.discarded = payload.get("reason") or "discarded"
+            case EventType.REQUEST_RECEIVED:
+                turn = TurnRecord(
+                    request_id=payload["request_id"],
+                    api=payload.get("api", "chat"),
+                    body=payload.get("body") or {},
+                    engine=payload.get("engine"),
+                    policy_version=payload.get("policy_version"),
+                    logprobs_mode=payload.get("logprobs_mode"),
+                    stream=bool(payload.get("stream")),
+                    sampling=payload.get("sampling") or {},
+                    first_position=event.position,
+                )
+                turns[event.stream_id] = turn
+                session.turns.append(turn)
+            case EventType.PROMPT_TOKENS if event.stream_id in turns:
+                turns[event.stream_id].prompt_token_ids = _ints(event.token_ids)
+            case EventType.COMPLETION_CHUNK if event.stream_id in turns:
+                choice = turns[event.stream_id].choice(int(payload.get("choice") or 0))
+                choice.token_ids.extend(_ints(event.token_ids))
+                choice.logprobs.extend(_floats(event.logprobs))
+                choice.text += payload.get("text") or ""
+            case EventType.COMPLETION_FINISHED if event.stream_id in turns:
+                turn = turns[event.stream_id]
+                turn.status = "completed"
+                turn.usage = payload.get("usage")
+                turn.latency_s = payload.get("latency_s")
+                turn.ttft_s = payload.get("ttft_s")
+                for finished in payload.get("choices") or []:
+                    choice = turn.choice(int(finished.get("index") or 0))
+                    choice.finish_reason = finished.get("finish_reason")
+                    choice.stop_reason = finished.get("stop_reason")
+                    choice.message = finished.get("message")
+            case EventType.REQUEST_FAILED if event.stream_id in turns:
+                turn = turns[event.stream_id]
+                turn.status = "failed"
+                turn.failure = payload
+                turn.latency_s = payload.get("latency_s")
+            case _:
+                pass  # newer event types: a reader of today ignores what it does not know
+    return session
