@@ -1,0 +1,225 @@
+"""The inference engines behind the proxy: which one serves a request, and which are alive.
+
+Each engine is a vLLM OpenAI-compatible server. A request is routed by a key (its session id):
+rendezvous (highest-random-weight) hashing gives every key one preferred engine, so a session's
+turns land where its prefix is already cached, and when an engine disappears only the sessions
+it held move elsewhere. An engine that is down or saturated is skipped in favour of the least
+loaded healthy one.
+
+    EngineError
+    └── NoHealthyEngine     every engine is down or at its in-flight limit (HTTP: 503)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    """An inference engine cannot serve the request."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class NoHealthyEngine(EngineError):
+    """No engine is healthy and below its in-flight limit."""
+
+
+@dataclass
+class Engine:
+    """One inference engine, with what the proxy knows of its health and load."""
+
+    url: str
+    policy_version: str = "0"
+    max_in_flight: int = 256
+    healthy: bool = True
+    in_flight: int = 0
+    last_error: str | None = None
+    last_checked: float | None = None
+
+    @property
+    def saturated(self) -> bool:
+        """Whether the engine already has as many requests in flight as it may take."""
+        return self.in_flight >= self.max_in_flight
+
+    def describe(self) -> dict[str, object]:
+        """Return the engine's state as a JSON-able dict, for the admin API."""
+        return {
+            "url": self.url,
+            "policy_version": self.policy_version,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "max_in_flight": self.max_in_flight,
+            "saturated": self.saturated,
+            "last_error": self.last_error,
+            "last_checked": self.last_checked,
+        }
+
+
+def _normalise_url(url: str) -> str:
+    """Return the engine's base URL: no trailing slash and no trailing `/v1`."""
+    url = url.rstrip("/")
+    url = url.removesuffix("/v1")
+    return url.rstrip("/")
+
+
+def _weight(url: str, key: str) -> int:
+    """Return the rendezvous weight of `key` on the engine at `url`."""
+    # blake2b, not hash(): Python salts str hashes per process, and every proxy replica must
+    # send a session to the same engine.
+    digest = hashlib.blake2b(f"{url}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class EnginePool:
+    """The engines behind the proxy: routing by key, in-flight counts and health checks."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        policy_version: str = "0",
+        max_in_flight: int = 256,
+        health_interval: float = 5.0,
+        health_timeout: float = 2.0,
+    ) -> None:
+        if isinstance(urls, str):
+            raise TypeError("urls must be a sequence of URLs, not one string")
+        if not urls:
+            raise ValueError("at least one engine URL is needed")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, not {max_in_flight}")
+        if health_interval <= 0 or health_timeout <= 0:
+            raise ValueError("health_interval and health_timeout must be positive")
+        self.engines: list[Engine] = []
+        self._by_url: dict[str, Engine] = {}
+        for raw in urls:
+            url = _normalise_url(raw)
+            if url in self._by_url:
+                raise ValueError(f"engine {url} is listed twice")
+            engine = Engine(url=url, policy_version=policy_version, max_in_flight=max_in_flight)
+            self.engines.append(engine)
+            self._by_url[url] = engine
+        self._health_interval = health_interval
+        self._health_timeout = aiohttp.ClientTimeout(total=health_timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """Check every engine once, then keep re-checking them in the background."""
+        if self._task is not None:
+            raise RuntimeError("the engine pool is already started")
+        self._session = session
+        await self._check_all()
+        self._task = asyncio.create_task(self._health_loop(), name="engine-health")
+
+    async def close(self) -> None:
+        """Stop the background health checks; the session stays open (the caller owns it)."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    def preferred(self, key: str) -> Engine:
+        """Return the engine `key` hashes to, whatever its health."""
+        # Ties (astronomically unlikely) go to the first engine in order: max() keeps the first.
+        return max(self.engines, key=lambda engine: _weight(engine.url, key))
+
+    def choose(self, key: str) -> Engine:
+        """Return the engine to send `key`'s request to: its preferred one when that can serve."""
+        preferred = self.preferred(key)
+        if preferred.healthy and not preferred.saturated:
+            return preferred
+        available = [e for e in self.engines if e.healthy and not e.saturated]
+        if not available:
+            raise NoHealthyEngine()
+        return min(available, key=lambda engine: engine.in_flight)
+
+    @contextlib.contextmanager
+    def lease(self, engine: Engine) -> Iterator[Engine]:
+        """Count a request as in flight on `engine` while the block runs."""
+        engine.in_flight += 1
+        try:
+            yield engine
+        finally:
+            engine.in_flight -= 1
+
+    def get(self, url: str) -> Engine:
+        """Return the engine at `url` (normalised); raise KeyError if there is none."""
+        return self._by_url[_normalise_url(url)]
+
+    def set_policy_version(self, url: str, version: str) -> Engine:
+        """Record that the engine at `url` now serves the weights of policy `version`."""
+        engine = self.get(url)
+        if engine.policy_version != version:
+            logger.info(
+                "engine %s: policy version %s -> %s", engine.url, engine.policy_version, version
+            )
+        engine.policy_version = version
+        return engine
+
+    def mark_failed(self, engine: Engine, error: str) -> None:
+        """Take `engine` out of rotation after a request failed to reach it."""
+        # Only a successful health check brings it back: one failed connection is enough
+        # evidence to stop sending it new sessions until the engine answers again.
+        self._set_health(engine, healthy=False, error=error)
+
+    async def check(self, engine: Engine) -> bool:
+        """Ask the engine's `/health` endpoint whether it is up; record and return the answer."""
+        if self._session is None:
+            raise RuntimeError("start() the engine pool before checking engines")
+        error: str | None = None
+        try:
+            async with self._session.get(
+                f"{engine.url}/health", timeout=self._health_timeout
+            ) as response:
+                if response.status != 200:
+                    error = f"GET /health answered {response.status}"
+        except TimeoutError:
+            error = f"GET /health timed out after {self._health_timeout.total}s"
+        except (aiohttp.ClientError, OSError) as exc:
+            error = f"GET /health failed: {type(exc).__name__}: {exc}"
+        engine.last_checked = time.time()
+        self._set_health(engine, healthy=error is None, error=error)
+        return engine.healthy
+
+    def describe(self) -> list[dict[str, object]]:
+        """Return every engine's state, in order, as JSON-able dicts."""
+        return [engine.describe() for engine in self.engines]
+
+    def _set_health(self, engine: Engine, *, healthy: bool, error: str | None) -> None:
+        """Record the engine's health, logging only when it changes."""
+        if healthy and not engine.healthy:
+            logger.info("engine %s is healthy again", engine.url)
+        elif not healthy and engine.healthy:
+            logger.warning("engine %s is unhealthy: %s", engine.url, error)
+        engine.healthy = healthy
+        engine.last_error = error
+
+    async def _check_all(self) -> None:
+        """Check every engine concurrently, so one slow engine does not delay the others."""
+        await asyncio.gather(*(self.check(engine) for engine in self.engines))
+
+    async def _health_loop(self) -> None:
+        """Re-check every engine each `health_interval` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(self._health_interval)
+            try:
+                await self._check_all()
+            except Exception:
+                # check() already turns network failures into an unhealthy engine; anything
+                # else is a bug, logged loudly but not allowed to stop future checks.
+                logger.exception("engine health check failed unexpectedly")
