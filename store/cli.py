@@ -19,7 +19,7 @@ from store.errors import StoreError
 from store.settings import StoreSettings
 
 #: Commands provided by other packages: name -> "module:attribute", imported on first use.
-_PLUGIN_COMMANDS: dict[str, str] = {}
+_PLUGIN_COMMANDS: dict[str, str] = {"proxy": "proxy.cli:proxy"}
 
 
 class TrajstoreGroup(click.Group):

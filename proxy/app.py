@@ -1,0 +1,429 @@
+"""The proxy's HTTP API: sessions, OpenAI-compatible model calls, health, metrics, admin.
+
+    POST /sessions                                  create (idempotent per client-chosen id)
+    GET  /sessions/{id}                             the session as recorded
+    POST /sessions/{id}/reward | finish | discard
+    POST /sessions/{id}/v1/chat/completions         OpenAI-compatible, per session base URL
+    POST /sessions/{id}/v1/completions
+    GET  /sessions/{id}/v1/models
+    POST /v1/chat/completions, /v1/completions      the same, session named by X-Session-Id
+    GET  /health, /metrics
+    GET  /admin/engines, POST /admin/engines/policy-version
+
+The model-call routes read the raw body and hand it to the `Forwarder` as bytes: validating a
+long chat history with pydantic on every turn would cost more than the whole relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import secrets
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import aiohttp
+import orjson
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from proxy.engines import EnginePool
+from proxy.errors import NotFound, Overloaded, PayloadTooLarge, ProxyError, Unauthorized
+from proxy.forwarding import Forwarder
+from proxy.metrics import ProxyMetrics
+from proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
+from proxy.settings import ProxySettings
+from store import BadEvent, EventStore, StoreUnavailable, WriteFailed, WriterBackpressure
+from store.sessions import rebuild_session
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProxyState:
+    """Everything a request handler needs, built at startup."""
+
+    settings: ProxySettings
+    store: EventStore
+    registry: SessionRegistry
+    forwarder: Forwarder
+    engines: EnginePool
+    metrics: ProxyMetrics
+    public_url: str
+
+
+class BodyLimit:
+    """Refuse bodies over the limit with 413 before reading them (pure ASGI, no buffering)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _send_error(send, PayloadTooLarge(self._message(int(declared))))
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise PayloadTooLarge(self._message(seen))
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _message(self, size: int) -> str:
+        return f"the request body is {size} bytes; the limit is {self.max_bytes} bytes"
+
+
+async def _send_error(send: Send, error: ProxyError) -> None:
+    body = orjson.dumps(error.body())
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers().items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _bearer(authorization: str | None) -> str | None:
+    if authorization and authorization.lower().startswith("bearer "):
+        return authorization[7:].strip()
+    return None
+
+
+def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
+    """The proxy application; it connects to the store and engines when it starts."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = await EventStore.open(database_url)
+        writer = store.writer(max_pending=settings.writer_max_pending)
+        await writer.start()
+        http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            auto_decompress=False,
+        )
+        engines = EnginePool(
+            settings.engines,
+            policy_version=settings.policy_version,
+            max_in_flight=settings.max_in_flight,
+        )
+        await engines.start(http)
+        metrics = ProxyMetrics()
+        metrics.watch(
+            pending=lambda: writer.pending,
+            lag=lambda: writer.lag,
+            failed=lambda: writer.stats.events_failed,
+            healthy=lambda: sum(e.healthy for e in engines.engines),
+        )
+        secret = (settings.session_secret or settings.api_key or secrets.token_hex(32)).encode()
+        public_url = (settings.public_url or f"http://{settings.host}:{settings.port}").rstrip("/")
+        app.state.proxy = ProxyState(
+            settings=settings,
+            store=store,
+            registry=SessionRegistry(store, writer, secret),
+            forwarder=Forwarder(http, engines, writer, settings, metrics),
+            engines=engines,
+            metrics=metrics,
+            public_url=public_url,
+        )
+        watchdog = asyncio.create_task(_watch_event_loop(metrics), name="loop-watchdog")
+        _dump_tasks_on_sigusr1()
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+            await engines.close()
+            try:
+                await writer.close()  # everything recorded is made durable before we exit
+            finally:
+                await http.close()
+                await store.close()
+
+    app = FastAPI(title="trajstore proxy", lifespan=lifespan)
+    _install_error_handlers(app)
+    _add_routes(app)
+    wrapped: Any = BodyLimit(app, settings.max_body_bytes)
+    app.build_middleware_stack = _wrap(app.build_middleware_stack, wrapped)  # type: ignore[method-assign]
+    return app
+
+
+def _wrap(build: Any, limiter: BodyLimit) -> Any:
+    def build_with_limit() -> ASGIApp:
+        limiter.app = build()
+        return limiter
+
+    return build_with_limit
+
+
+# -- dependencies ------------------------------------------------------------------------------
+
+
+def _state(request: Request) -> ProxyState:
+    state: ProxyState = request.app.state.proxy
+    return state
+
+
+State = Annotated[ProxyState, Depends(_state)]
+Authorization = Annotated[str | None, Header()]
+
+
+def _require_admin(state: ProxyState, authorization: str | None) -> None:
+    expected = state.settings.api_key
+    if expected is None:
+        return
+    presented = _bearer(authorization) or ""
+    if not hmac.compare_digest(presented, expected):
+        raise Unauthorized("this call needs the proxy's API key (TRAJSTORE_API_KEY) as Bearer")
+
+
+def _require_session_key(
+    state: ProxySettings, registry: SessionRegistry, session_id: str, authorization: str | None,
+    *, open_without_admin_key: bool,
+) -> None:  # fmt: skip
+    presented = _bearer(authorization)
+    if presented is not None and registry.key_matches(session_id, presented):
+        return
+    if state.api_key is not None and presented is not None:
+        if hmac.compare_digest(presented, state.api_key):
+            return
+    elif state.api_key is None and open_without_admin_key:
+        return
+    raise Unauthorized(f"use the api_key returned when session {session_id!r} was created")
+
+
+# -- routes ------------------------------------------------------------------------------------
+
+
+class SessionCreated(BaseModel):
+    """What `POST /sessions` returns: where the agent points its OpenAI client."""
+
+    session_id: str
+    base_url: str
+    api_key: str
+    run_id: str
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.post("/sessions", status_code=201, response_model=SessionCreated)
+    async def create_session(
+        body: CreateSession, state: State, response: Response, authorization: Authorization = None
+    ) -> SessionCreated:
+        _require_admin(state, authorization)
+        session_id = body.session_id or secrets.token_hex(12)
+        session, created = await state.registry.create(body, session_id)
+        if not created:
+            response.status_code = 200
+        return SessionCreated(
+            session_id=session.session_id,
+            base_url=f"{state.public_url}/sessions/{session.session_id}/v1",
+            api_key=state.registry.key_for(session.session_id),
+            run_id=session.run_id,
+        )
+
+    @app.get("/sessions/{session_id}")
+    async def get_session(
+        session_id: str, state: State, authorization: Authorization = None
+    ) -> Response:
+        _require_session_key(
+            state.settings, state.registry, session_id, authorization, open_without_admin_key=True
+        )
+        await state.registry.get(session_id)
+        await state.registry.writer.flush()  # show what this replica recorded so far
+        events = await state.store.read_session(session_id)
+        return Response(
+            orjson.dumps(rebuild_session(session_id, events).as_json()),
+            media_type="application/json",
+        )
+
+    @app.post("/sessions/{session_id}/reward")
+    async def reward(
+        session_id: str, body: Reward, state: State, authorization: Authorization = None
+    ) -> dict[str, Any]:
+        _require_session_key(
+            state.settings, state.registry, session_id, authorization, open_without_admin_key=True
+        )
+        await state.registry.reward(session_id, body)
+        return {"session_id": session_id, "reward": body.value}
+
+    @app.post("/sessions/{session_id}/finish")
+    async def finish(
+        session_id: str, body: Finish, state: State, authorization: Authorization = None
+    ) -> dict[str, Any]:
+        _require_session_key(
+            state.settings, state.registry, session_id, authorization, open_without_admin_key=True
+        )
+        session = await state.registry.finish(session_id, body)
+        return {"session_id": session_id, "status": session.status}
+
+    @app.post("/sessions/{session_id}/discard")
+    async def discard(
+        session_id: str, body: Discard, state: State, authorization: Authorization = None
+    ) -> dict[str, Any]:
+        _require_session_key(
+            state.settings, state.registry, session_id, authorization, open_without_admin_key=True
+        )
+        await state.registry.discard(session_id, body)
+        return {"session_id": session_id, "discarded": body.reason}
+
+    async def model_call(
+        api: str, session_id: str | None, request: Request, state: ProxyState
+    ) -> Response:
+        if not session_id:
+            raise NotFound(
+                "no session: use the base_url returned by POST /sessions, "
+                "or send the X-Session-Id header"
+            )
+        _require_session_key(
+            state.settings, state.registry, session_id, request.headers.get("authorization"),
+            open_without_admin_key=False,
+        )  # fmt: skip
+        session = await state.registry.ready_for_requests(session_id)
+        return await state.forwarder.handle(api, session, await request.body())  # type: ignore[arg-type]
+
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def chat(session_id: str, request: Request, state: State) -> Response:
+        return await model_call("chat", session_id, request, state)
+
+    @app.post("/sessions/{session_id}/v1/completions")
+    async def completions(session_id: str, request: Request, state: State) -> Response:
+        return await model_call("completions", session_id, request, state)
+
+    @app.post("/v1/chat/completions")
+    async def chat_by_header(
+        request: Request, state: State, x_session_id: Annotated[str | None, Header()] = None
+    ) -> Response:
+        return await model_call("chat", x_session_id, request, state)
+
+    @app.post("/v1/completions")
+    async def completions_by_header(
+        request: Request, state: State, x_session_id: Annotated[str | None, Header()] = None
+    ) -> Response:
+        return await model_call("completions", x_session_id, request, state)
+
+    async def models(state: ProxyState) -> Response:
+        engine = next((e for e in state.engines.engines if e.healthy), state.engines.engines[0])
+        try:
+            async with state.forwarder.http.get(engine.url + "/v1/models") as resp:
+                return Response(await resp.read(), status_code=resp.status,
+                                media_type="application/json")  # fmt: skip
+        except aiohttp.ClientError as exc:
+            raise Overloaded(f"the engine at {engine.url} cannot be reached: {exc}") from None
+
+    @app.get("/sessions/{session_id}/v1/models")
+    async def session_models(
+        session_id: str, state: State, authorization: Authorization = None
+    ) -> Response:
+        _require_session_key(
+            state.settings, state.registry, session_id, authorization, open_without_admin_key=False
+        )
+        return await models(state)
+
+    @app.get("/v1/models")
+    async def header_models(state: State) -> Response:
+        return await models(state)
+
+    @app.get("/health")
+    async def health(state: State) -> JSONResponse:
+        healthy = [e.url for e in state.engines.engines if e.healthy]
+        writer = state.registry.writer
+        ok = bool(healthy) and not writer.saturated
+        body = {
+            "status": "ok" if ok else "degraded",
+            "engines_healthy": len(healthy),
+            "engines": len(state.engines.engines),
+            "writer_pending": writer.pending,
+            "writer_lag_s": writer.lag,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(state: State) -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/engines")
+    async def list_engines(state: State, authorization: Authorization = None) -> list[Any]:
+        _require_admin(state, authorization)
+        return state.engines.describe()
+
+    class PolicyVersion(BaseModel):
+        """`POST /admin/engines/policy-version`: after a weight sync."""
+
+        version: str
+        engine: str | None = None  # all engines when omitted
+
+    @app.post("/admin/engines/policy-version")
+    async def set_policy_version(
+        body: PolicyVersion, state: State, authorization: Authorization = None
+    ) -> list[Any]:
+        _require_admin(state, authorization)
+        urls = [body.engine] if body.engine else [e.url for e in state.engines.engines]
+        try:
+            return [state.engines.set_policy_version(url, body.version).describe() for url in urls]
+        except KeyError:
+            raise NotFound(f"no engine {body.engine!r}; see GET /admin/engines") from None
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ProxyError)
+    async def proxy_error(request: Request, exc: ProxyError) -> Response:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+    @app.exception_handler(WriterBackpressure)
+    async def backpressure(request: Request, exc: WriterBackpressure) -> Response:
+        return await proxy_error(request, Overloaded(str(exc), retry_after=exc.retry_after))
+
+    @app.exception_handler(StoreUnavailable)
+    async def unavailable(request: Request, exc: StoreUnavailable) -> Response:
+        return await proxy_error(request, Overloaded(f"the store is unavailable: {exc}"))
+
+    @app.exception_handler(WriteFailed)
+    async def write_failed(request: Request, exc: WriteFailed) -> Response:
+        error = ProxyError(f"some events of this session could not be stored: {exc}")
+        return await proxy_error(request, error)
+
+    @app.exception_handler(BadEvent)
+    async def bad_event(request: Request, exc: BadEvent) -> Response:
+        from proxy.errors import BadRequest
+
+        return await proxy_error(request, BadRequest(f"cannot be recorded: {exc}"))
+
+
+async def _watch_event_loop(metrics: ProxyMetrics, interval: float = 0.25) -> None:
+    """Measure how late the loop wakes us; a stall means something blocks it."""
+    loop = asyncio.get_running_loop()
+    while True:
+        started = loop.time()
+        await asyncio.sleep(interval)
+        lag = loop.time() - started - interval
+        metrics.loop_lag.set(lag)
+        if lag > 0.5:
+            log.warning("the event loop stalled for %.2fs (something blocked it)", lag)
+
+
+def _dump_tasks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` logs the stack of every asyncio task, to see where things hang."""
+
+    def dump() -> None:
+        tasks = asyncio.all_tasks()
+        log.warning("SIGUSR1: %d asyncio tasks (pid %d)", len(tasks), os.getpid())
+        for task in tasks:
+            task.print_stack(file=sys.stderr)
+
+    with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)

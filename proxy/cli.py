@@ -1,0 +1,76 @@
+"""`trajstore proxy`: run the recording proxy in front of one or more engines."""
+
+from __future__ import annotations
+
+import socket
+
+import click
+
+from store.embedded import database_url
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def free_port_from(host: str, port: int, attempts: int = 50) -> int:
+    """The first port from `port` on that nobody listens on."""
+    for candidate in range(port, port + attempts):
+        if not _port_in_use(host, candidate):
+            return candidate
+    raise click.ClickException(f"no free port in {port}..{port + attempts - 1} on {host}")
+
+
+@click.command("proxy")
+@click.option(
+    "--engine", "engines", multiple=True, envvar="TRAJSTORE_ENGINES", show_envvar=True,
+    help="Base URL of an engine (vLLM OpenAI server); repeat for several. Env: comma-separated.",
+)  # fmt: skip
+@click.option("--host", envvar="TRAJSTORE_HOST", show_envvar=True, default="127.0.0.1",
+              show_default=True, help="Address to listen on.")  # fmt: skip
+@click.option("--port", envvar="TRAJSTORE_PORT", show_envvar=True, default=8400, type=int,
+              show_default=True, help="Port to listen on.")  # fmt: skip
+@click.option("--next-free-port", is_flag=True,
+              help="If the port is taken, use the next free one instead of failing.")  # fmt: skip
+@click.option("--public-url", envvar="TRAJSTORE_PUBLIC_URL", show_envvar=True,
+              help="URL agents reach the proxy at [default: http://HOST:PORT].")  # fmt: skip
+@click.option("--policy-version", envvar="TRAJSTORE_POLICY_VERSION", show_envvar=True,
+              default="0", show_default=True, help="Policy version of the engines.")  # fmt: skip
+@click.pass_context
+def proxy(
+    ctx: click.Context,
+    engines: tuple[str, ...],
+    host: str,
+    port: int,
+    next_free_port: bool,
+    public_url: str | None,
+    policy_version: str,
+) -> None:
+    """Run the recording proxy: an OpenAI-compatible gateway that records every token."""
+    import uvicorn
+
+    from proxy.app import create_app
+    from proxy.settings import ProxySettings
+
+    urls = [u.strip() for e in engines for u in e.split(",") if u.strip()]
+    if not urls:
+        raise click.UsageError("name at least one engine: --engine http://HOST:PORT")
+    if _port_in_use(host, port):
+        if not next_free_port:
+            raise click.ClickException(
+                f"port {port} on {host} is in use; choose another with --port, "
+                "or pass --next-free-port"
+            )
+        port = free_port_from(host, port)
+    settings = ProxySettings(
+        engines=urls, host=host, port=port, public_url=public_url, policy_version=policy_version
+    )
+    store_settings = (ctx.find_object(dict) or {}).get("settings")
+    app = create_app(settings, database_url(store_settings))
+    click.echo(f"trajstore proxy on http://{host}:{port} -> {', '.join(urls)}")
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -1,0 +1,102 @@
+"""The proxy's errors, each with its HTTP status; all answer in OpenAI's error shape.
+
+ProxyError
+├── BadRequest              400  the body is not what the API takes (says what to fix)
+├── Unauthorized            401  missing or wrong API key
+├── NotFound                404  unknown session
+├── Conflict                409  session finished, discarded, past its deadline, or reused
+├── PayloadTooLarge         413  body above the limit
+├── Overloaded              503  the recorder or every engine is saturated (Retry-After)
+└── EngineFailed            502/504  the engine failed or timed out (recorded as an event)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ProxyError(Exception):
+    """The proxy cannot serve the request."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str | None = None, *, param: str | None = None) -> None:
+        self.message = message or (self.__doc__ or "").strip()
+        self.param = param
+        super().__init__(self.message)
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers (Retry-After for 503)."""
+        return {}
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error shape, which every OpenAI client knows how to raise."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+class BadRequest(ProxyError):
+    """The request body is not valid."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(ProxyError):
+    """Missing or wrong API key."""
+
+    status = 401
+    type = "authentication_error"
+
+
+class NotFound(ProxyError):
+    """No such session."""
+
+    status = 404
+    type = "not_found_error"
+
+
+class Conflict(ProxyError):
+    """The session cannot take this request in its current state."""
+
+    status = 409
+    type = "conflict_error"
+
+
+class PayloadTooLarge(ProxyError):
+    """The request body is larger than the proxy accepts."""
+
+    status = 413
+    type = "invalid_request_error"
+
+
+class Overloaded(ProxyError):
+    """The proxy is saturated; retry later."""
+
+    status = 503
+    type = "overloaded_error"
+
+    def __init__(self, message: str | None = None, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
+
+
+class EngineFailed(ProxyError):
+    """The inference engine failed to answer."""
+
+    status = 502
+    type = "engine_error"
+
+    def __init__(self, message: str | None = None, *, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status

@@ -1,0 +1,282 @@
+"""One model request, end to end: check it, pick an engine, forward, relay, record.
+
+The request path never awaits the database: events go to the store's background writer. A
+streamed answer is relayed chunk by chunk as the engine sends it; the recorder coalesces tokens
+into chunk events. Every failure is recorded as an event and answered in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from proxy.engines import Engine, EnginePool, NoHealthyEngine
+from proxy.errors import BadRequest, EngineFailed, Overloaded
+from proxy.metrics import ProxyMetrics
+from proxy.recorder import RequestRecorder, new_request_id
+from proxy.sessions import Session
+from proxy.settings import ProxySettings
+from proxy.wire import ENGINE_PATHS, Api, Asked, asked_for, engine_body, extract, parse_body, strip
+from store import BadEvent, EventWriter
+
+log = logging.getLogger(__name__)
+
+_JSON = "application/json"
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response that notices the client leaving even while the engine is silent.
+
+    Starlette only watches for disconnects on older ASGI servers; a stalled engine would keep a
+    relay (and the engine's generation) alive long after the agent hung up. Cancelling the relay
+    lets it record the abort and close the engine connection, which makes vLLM stop generating.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def client_left() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        relay = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(client_left())
+        try:
+            await asyncio.wait({relay, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (relay, watcher):
+                task.cancel()
+            results = await asyncio.gather(relay, watcher, return_exceptions=True)
+        if isinstance(results[0], BaseException) and not isinstance(
+            results[0], asyncio.CancelledError | OSError
+        ):
+            raise results[0]
+
+
+class Forwarder:
+    """Serves chat and completion requests of sessions through the engine pool."""
+
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        engines: EnginePool,
+        writer: EventWriter,
+        settings: ProxySettings,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self.http = http
+        self.engines = engines
+        self.writer = writer
+        self.settings = settings
+        self.metrics = metrics
+
+    async def handle(self, api: Api, session: Session, raw: bytes) -> Response:
+        """Answer one request of `session` to `api` (chat or completions)."""
+        body = parse_body(api, raw)
+        asked = asked_for(api, body)
+        if self.writer.saturated:
+            raise Overloaded(
+                "the recorder is behind; retry shortly", retry_after=self.writer.retry_after()
+            )
+        try:
+            engine = self.engines.choose(session.session_id)
+        except NoHealthyEngine as exc:
+            raise Overloaded(str(exc), retry_after=2.0) from None
+        recorder = RequestRecorder(
+            self.writer,
+            session_id=session.session_id,
+            run_id=session.run_id,
+            request_id=new_request_id(),
+            chunk_tokens=self.settings.chunk_tokens,
+        )
+        try:
+            received = recorder.received_event(
+                api=api,
+                body=body,
+                engine=engine.url,
+                policy_version=engine.policy_version,
+                logprobs_mode=self.settings.logprobs_mode,
+                asked=asked,
+            )
+        except BadEvent as exc:
+            raise BadRequest(f"the request cannot be recorded: {exc}") from None
+        await recorder.emit(received)
+        self.metrics.requests_started.labels(api=api).inc()
+        payload = orjson.dumps(engine_body(api, body))
+        if body.get("stream"):
+            return await self._stream(api, engine, payload, recorder, asked)
+        return await self._complete(api, engine, payload, recorder, asked)
+
+    # -- non-streaming --------------------------------------------------------------------------
+
+    async def _complete(
+        self, api: Api, engine: Engine, payload: bytes, recorder: RequestRecorder, asked: Asked
+    ) -> Response:
+        timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
+        with self.engines.lease(engine):
+            try:
+                async with self.http.post(
+                    engine.url + ENGINE_PATHS[api], data=payload, headers=self._headers(),
+                    timeout=timeout,
+                ) as resp:  # fmt: skip
+                    status, raw = resp.status, await resp.read()
+            except BaseException as exc:
+                raise await self._engine_failure(api, engine, recorder, exc) from None
+        if status != 200:
+            return await self._engine_refusal(api, recorder, status, raw)
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            await recorder.failed("bad_engine_response", "the engine answered invalid JSON", status)
+            self._count(api, 502)
+            raise EngineFailed("the engine answered invalid JSON") from None
+        extracted = extract(api, data)
+        await recorder.record(extracted)
+        await recorder.finished(extracted.usage)
+        self._observe(api, recorder, extracted.usage)
+        return Response(orjson.dumps(strip(data, asked, streaming=False)), media_type=_JSON)
+
+    # -- streaming ------------------------------------------------------------------------------
+
+    async def _stream(
+        self, api: Api, engine: Engine, payload: bytes, recorder: RequestRecorder, asked: Asked
+    ) -> Response:
+        timeout = aiohttp.ClientTimeout(sock_read=self.settings.request_timeout)
+        lease = self.engines.lease(engine)
+        lease.__enter__()
+        try:
+            resp = await self.http.post(
+                engine.url + ENGINE_PATHS[api], data=payload, headers=self._headers(),
+                timeout=timeout,
+            )  # fmt: skip
+        except BaseException as exc:
+            lease.__exit__(None, None, None)
+            raise await self._engine_failure(api, engine, recorder, exc) from None
+        if resp.status != 200:
+            try:
+                raw = await resp.read()
+            finally:
+                resp.release()
+                lease.__exit__(None, None, None)
+            return await self._engine_refusal(api, recorder, resp.status, raw)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in self._relay(api, engine, resp, recorder, asked):
+                    yield chunk
+            finally:
+                resp.close()  # closing the connection makes vLLM abort a generation
+                lease.__exit__(None, None, None)
+
+        return RelayResponse(relay(), media_type="text/event-stream")
+
+    async def _relay(
+        self,
+        api: Api,
+        engine: Engine,
+        resp: aiohttp.ClientResponse,
+        recorder: RequestRecorder,
+        asked: Asked,
+    ) -> AsyncIterator[bytes]:
+        usage: dict[str, Any] | None = None
+        done = False
+        try:
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue  # blank separators, comments
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    yield b"data: [DONE]\n\n"
+                    break
+                chunk = orjson.loads(data)
+                if "error" in chunk and "choices" not in chunk:
+                    error = chunk["error"] or {}
+                    await recorder.failed("engine_error", str(error.get("message")), None)
+                    yield b"data: " + data + b"\n\n"
+                    continue
+                extracted = extract(api, chunk)
+                await recorder.record(extracted)
+                usage = extracted.usage or usage
+                if not chunk.get("choices") and extracted.usage and not asked.usage:
+                    continue  # the usage chunk the proxy asked for, not the agent
+                if not asked.usage:
+                    chunk.pop("usage", None)
+                yield b"data: " + orjson.dumps(strip(chunk, asked, streaming=True)) + b"\n\n"
+        except asyncio.CancelledError:
+            await recorder.failed("client_disconnected", "the agent closed the connection")
+            self._count(api, 499)
+            raise
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            reason = "engine_timeout" if isinstance(exc, TimeoutError) else "engine_error"
+            message = f"the engine stream broke off: {type(exc).__name__}: {exc}"
+            await recorder.failed(reason, message)
+            self._count(api, 502)
+            yield b"data: " + orjson.dumps(EngineFailed(message).body()) + b"\n\n"
+            return
+        if done and not recorder.ended:
+            await recorder.finished(usage)
+            self._observe(api, recorder, usage)
+        elif not done:
+            await recorder.failed("engine_error", "the engine closed the stream before [DONE]")
+            self._count(api, 502)
+            error = EngineFailed("the engine closed the stream before it was complete")
+            yield b"data: " + orjson.dumps(error.body()) + b"\n\n"
+
+    # -- failures and bookkeeping ---------------------------------------------------------------
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": _JSON}
+        if self.settings.engine_api_key:
+            headers["Authorization"] = f"Bearer {self.settings.engine_api_key}"
+        return headers
+
+    async def _engine_failure(
+        self, api: Api, engine: Engine, recorder: RequestRecorder, exc: BaseException
+    ) -> BaseException:
+        """Record why the engine could not be reached; return the error to raise."""
+        if isinstance(exc, asyncio.CancelledError):
+            await recorder.failed("client_disconnected", "the agent closed the connection")
+            return exc
+        if isinstance(exc, TimeoutError):
+            await recorder.failed("engine_timeout", "the engine did not answer in time")
+            self._count(api, 504)
+            return EngineFailed("the engine did not answer in time", status=504)
+        if isinstance(exc, aiohttp.ClientError | OSError):
+            self.engines.mark_failed(engine, str(exc))
+            await recorder.failed("engine_unreachable", f"{type(exc).__name__}: {exc}")
+            self._count(api, 502)
+            return EngineFailed(f"the engine at {engine.url} cannot be reached: {exc}")
+        await recorder.failed("proxy_error", f"{type(exc).__name__}: {exc}")
+        return exc
+
+    async def _engine_refusal(
+        self, api: Api, recorder: RequestRecorder, status: int, raw: bytes
+    ) -> Response:
+        """The engine refused the request: record it, pass its (OpenAI-shaped) error on."""
+        try:
+            message = str(orjson.loads(raw).get("error", {}).get("message"))
+        except (orjson.JSONDecodeError, AttributeError):
+            message = raw[:500].decode(errors="replace")
+        await recorder.failed("engine_error", message, status)
+        self._count(api, status)
+        return Response(raw, status_code=status, media_type=_JSON)
+
+    def _count(self, api: Api, status: int) -> None:
+        self.metrics.requests.labels(api=api, status=str(status)).inc()
+
+    def _observe(self, api: Api, recorder: RequestRecorder, usage: dict[str, Any] | None) -> None:
+        self._count(api, 200)
+        latency = time.monotonic() - recorder.started
+        self.metrics.latency.labels(api=api).observe(latency)
+        if recorder.first_token_at is not None:
+            self.metrics.ttft.labels(api=api).observe(recorder.first_token_at - recorder.started)
+        if usage:
+            self.metrics.tokens.labels(kind="prompt").inc(usage.get("prompt_tokens") or 0)
+            self.metrics.tokens.labels(kind="completion").inc(usage.get("completion_tokens") or 0)

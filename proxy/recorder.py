@@ -1,0 +1,236 @@
+"""Recording one model request as events, through the store's background writer.
+
+Every request gets its own stream (`request-<id>`), numbered by this recorder alone, so replicas
+never contend (see `store.events`). Nothing here awaits the database: events go to the
+`EventWriter`'s queue, and only when that queue is over its hard limit does `put()` wait, which
+slows the stream instead of dropping tokens. The event payloads are the contract documented in
+`store.sessions`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
+from store import EventType, EventWriter, NewEvent, request_stream
+
+
+def new_request_id() -> str:
+    """A fresh, unique request id."""
+    return uuid.uuid4().hex
+
+
+@dataclass
+class _ChoiceBuffer:
+    """Tokens of one choice not yet written, and what the finished event will say of it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    logprobs_complete: bool = True
+    text: list[str] = field(default_factory=list)
+    n_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    message: dict[str, Any] | None = None
+    content: list[str] = field(default_factory=list)  # streamed chat content, for the message
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    role: str | None = None
+
+
+class RequestRecorder:
+    """Turns one request's lifecycle into events: received, prompt, chunks, finished or failed."""
+
+    def __init__(
+        self,
+        writer: EventWriter,
+        *,
+        session_id: str,
+        run_id: str | None,
+        request_id: str,
+        chunk_tokens: int = 16,
+    ) -> None:
+        self.writer = writer
+        self.session_id = session_id
+        self.run_id = run_id
+        self.request_id = request_id
+        self.stream_id = request_stream(request_id)
+        self.chunk_tokens = chunk_tokens
+        self.version = 0
+        self.started = time.monotonic()
+        self.first_token_at: float | None = None
+        self.ended = False
+        self.prompt_recorded = False
+        self.tokens_recorded = 0
+        self._choices: dict[int, _ChoiceBuffer] = {}
+
+    def received_event(
+        self,
+        *,
+        api: Api,
+        body: dict[str, Any],
+        engine: str,
+        policy_version: str,
+        logprobs_mode: str,
+        asked: Asked,
+    ) -> NewEvent:
+        """Build (and so validate) the request_received event, before anything is forwarded."""
+        return self._event(
+            EventType.REQUEST_RECEIVED,
+            {
+                "request_id": self.request_id,
+                "api": api,
+                "body": body,
+                "sampling": sampling_of(body),
+                "engine": engine,
+                "policy_version": policy_version,
+                "logprobs_mode": logprobs_mode,
+                "stream": bool(body.get("stream")),
+                "asked": asked.as_json(),
+                "received_at": time.time(),
+            },
+        )
+
+    async def emit(self, event: NewEvent) -> None:
+        """Queue one event of this request's stream."""
+        self.version += 1
+        await self.writer.put(self.stream_id, self.version, event)
+
+    async def record(self, extracted: Extracted) -> None:
+        """Take what an answer or a stream chunk carries; write chunks as they fill up."""
+        if extracted.prompt_token_ids is not None and not self.prompt_recorded:
+            self.prompt_recorded = True
+            event = self._event(
+                EventType.PROMPT_TOKENS, {"choice": None}, token_ids=extracted.prompt_token_ids
+            )
+            await self.emit(event)
+        for choice in extracted.choices:
+            buffer = self._choices.setdefault(choice.index, _ChoiceBuffer())
+            self._take(buffer, choice)
+            if len(buffer.token_ids) >= self.chunk_tokens:
+                await self._write_chunk(choice.index, buffer)
+
+    async def finished(self, usage: dict[str, Any] | None) -> None:
+        """Write what is buffered and the completion_finished event."""
+        await self._write_all_chunks()
+        choices = []
+        for index in sorted(self._choices):
+            buffer = self._choices[index]
+            choices.append(
+                {
+                    "index": index,
+                    "finish_reason": buffer.finish_reason,
+                    "stop_reason": buffer.stop_reason,
+                    "message": buffer.message or self._streamed_message(buffer),
+                    "n_tokens": buffer.n_tokens,
+                }
+            )
+        now = time.monotonic()
+        payload = {
+            "choices": choices,
+            "usage": usage,
+            "latency_s": now - self.started,
+            "ttft_s": None if self.first_token_at is None else self.first_token_at - self.started,
+        }
+        await self.emit(self._event(EventType.COMPLETION_FINISHED, payload))
+        self.ended = True
+
+    async def failed(self, reason: str, message: str, status: int | None = None) -> None:
+        """Write what is buffered (partial tokens are kept) and the request_failed event."""
+        if self.ended:
+            return
+        await self._write_all_chunks()
+        payload = {
+            "reason": reason,
+            "status": status,
+            "message": message,
+            "latency_s": time.monotonic() - self.started,
+            "partial_tokens": {str(i): b.n_tokens for i, b in sorted(self._choices.items())},
+        }
+        await self.emit(self._event(EventType.REQUEST_FAILED, payload))
+        self.ended = True
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _event(
+        self,
+        event_type: EventType,
+        payload: dict[str, Any],
+        *,
+        token_ids: list[int] | None = None,
+        logprobs: list[float] | None = None,
+    ) -> NewEvent:
+        return NewEvent(
+            event_type,
+            session_id=self.session_id,
+            run_id=self.run_id,
+            payload=payload,
+            token_ids=token_ids,
+            logprobs=logprobs,
+        )
+
+    def _take(self, buffer: _ChoiceBuffer, choice: ChoiceTokens) -> None:
+        if choice.token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        buffer.token_ids.extend(choice.token_ids)
+        if choice.logprobs is None:
+            buffer.logprobs_complete = buffer.logprobs_complete and not choice.token_ids
+        else:
+            buffer.logprobs.extend(choice.logprobs)
+        buffer.text.append(choice.text)
+        buffer.n_tokens += len(choice.token_ids)
+        buffer.finish_reason = choice.finish_reason or buffer.finish_reason
+        buffer.stop_reason = choice.stop_reason or buffer.stop_reason
+        if choice.message is not None:
+            buffer.message = choice.message
+        if choice.delta:
+            self._merge_delta(buffer, choice.delta)
+
+    @staticmethod
+    def _merge_delta(buffer: _ChoiceBuffer, delta: dict[str, Any]) -> None:
+        buffer.role = delta.get("role") or buffer.role
+        if delta.get("content"):
+            buffer.content.append(delta["content"])
+        for call in delta.get("tool_calls") or ():
+            merged = buffer.tool_calls.setdefault(
+                int(call.get("index") or 0), {"function": {"name": "", "arguments": ""}}
+            )
+            for key in ("id", "type"):
+                if call.get(key):
+                    merged[key] = call[key]
+            function = call.get("function") or {}
+            merged["function"]["name"] += function.get("name") or ""
+            merged["function"]["arguments"] += function.get("arguments") or ""
+
+    @staticmethod
+    def _streamed_message(buffer: _ChoiceBuffer) -> dict[str, Any] | None:
+        if buffer.role is None and not buffer.content and not buffer.tool_calls:
+            return None
+        message: dict[str, Any] = {
+            "role": buffer.role or "assistant",
+            "content": "".join(buffer.content) or None,
+        }
+        if buffer.tool_calls:
+            message["tool_calls"] = [buffer.tool_calls[i] for i in sorted(buffer.tool_calls)]
+        return message
+
+    async def _write_chunk(self, index: int, buffer: _ChoiceBuffer) -> None:
+        if not buffer.token_ids:
+            return
+        logprobs = buffer.logprobs if buffer.logprobs_complete else None
+        event = self._event(
+            EventType.COMPLETION_CHUNK,
+            {"choice": index, "text": "".join(buffer.text)},
+            token_ids=buffer.token_ids,
+            logprobs=logprobs,
+        )
+        self.tokens_recorded += len(buffer.token_ids)
+        buffer.token_ids, buffer.logprobs, buffer.text = [], [], []
+        buffer.logprobs_complete = True
+        await self.emit(event)
+
+    async def _write_all_chunks(self) -> None:
+        for index in sorted(self._choices):
+            await self._write_chunk(index, self._choices[index])

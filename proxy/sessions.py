@@ -1,0 +1,235 @@
+"""Sessions as the proxy sees them: created, looked up, rewarded, finished, discarded.
+
+Session-level facts are appended to the session's own stream and awaited: they are rare and the
+caller wants them durable. Model requests only read the session, from a per-replica cache filled
+from the log on first use. Each session has its own API key, derived from a secret with HMAC, so
+any replica sharing the secret can check it without a lookup, and no key is ever stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from proxy.errors import BadRequest, Conflict, NotFound
+from store import (
+    ConcurrencyError,
+    EventStore,
+    EventType,
+    EventWriter,
+    ExpectedVersion,
+    NewEvent,
+    session_stream,
+)
+from store.events import MAX_ID_LENGTH
+from store.sessions import rebuild_session
+
+FinishStatus = Literal["completed", "aborted", "error", "timeout"]
+
+
+class CreateSession(BaseModel):
+    """`POST /sessions`: a new agent episode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    session_id: str | None = Field(
+        default=None, min_length=1, max_length=MAX_ID_LENGTH, pattern=r"^[A-Za-z0-9._:-]+$"
+    )
+    task_id: str | None = Field(default=None, max_length=MAX_ID_LENGTH)
+    group_id: str | None = Field(default=None, max_length=MAX_ID_LENGTH)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    deadline_s: float | None = Field(default=None, gt=0)
+
+
+class Reward(BaseModel):
+    """`POST /sessions/{id}/reward`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    value: float = Field(allow_inf_nan=False)
+    components: dict[str, float] | None = None
+    source: str | None = None
+
+
+class Finish(BaseModel):
+    """`POST /sessions/{id}/finish`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: FinishStatus
+    reason: str | None = None
+
+
+class Discard(BaseModel):
+    """`POST /sessions/{id}/discard`: keep the session in the log, out of training."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field(min_length=1)
+
+
+@dataclass
+class Session:
+    """What a replica knows of a session."""
+
+    session_id: str
+    run_id: str
+    task_id: str | None = None
+    group_id: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    deadline_s: float | None = None
+    created_at: float = 0.0
+    status: str = "active"
+    discarded: str | None = None
+
+    def definition(self) -> dict[str, Any]:
+        """What the creator asked for: two creations are the same if these are equal."""
+        return {
+            "run_id": self.run_id,
+            "task_id": self.task_id,
+            "group_id": self.group_id,
+            "metadata": self.metadata,
+            "deadline_s": self.deadline_s,
+        }
+
+    @property
+    def past_deadline(self) -> bool:
+        """True once the session has outlived its deadline."""
+        return self.deadline_s is not None and time.time() > self.created_at + self.deadline_s
+
+
+class SessionRegistry:
+    """Creates and tracks sessions; appends their facts to the log."""
+
+    def __init__(self, store: EventStore, writer: EventWriter, secret: bytes) -> None:
+        self.store = store
+        self.writer = writer
+        self._secret = secret
+        self._sessions: dict[str, Session] = {}
+
+    def key_for(self, session_id: str) -> str:
+        """The API key of one session."""
+        digest = hmac.new(self._secret, session_id.encode(), hashlib.sha256).hexdigest()
+        return f"tss-{digest[:48]}"
+
+    def key_matches(self, session_id: str, presented: str) -> bool:
+        """Whether `presented` is this session's key (constant-time)."""
+        return hmac.compare_digest(self.key_for(session_id), presented)
+
+    async def create(self, request: CreateSession, session_id: str) -> tuple[Session, bool]:
+        """Create the session, or return the existing one if created with the same body.
+
+        Returns the session and whether it was created now; `Conflict` when the id is taken by a
+        session created differently.
+        """
+        wanted = Session(
+            session_id=session_id,
+            run_id=request.run_id,
+            task_id=request.task_id,
+            group_id=request.group_id,
+            metadata=request.metadata,
+            deadline_s=request.deadline_s,
+            created_at=time.time(),
+        )
+        existing = await self._load(session_id)
+        if existing is None:
+            event = NewEvent(
+                EventType.SESSION_CREATED,
+                session_id=session_id,
+                run_id=request.run_id,
+                payload={**wanted.definition(), "created_at": wanted.created_at},
+            )
+            try:
+                await self.store.append(
+                    session_stream(session_id), [event], expected_version=ExpectedVersion.NO_STREAM
+                )
+                self._sessions[session_id] = wanted
+                return wanted, True
+            except ConcurrencyError:
+                existing = await self._load(session_id)  # created by a racing replica
+        assert existing is not None
+        if existing.definition() != wanted.definition():
+            raise Conflict(
+                f"session {session_id!r} exists with a different definition; "
+                "use a new session_id or send the same body"
+            )
+        return existing, False
+
+    async def get(self, session_id: str) -> Session:
+        """The session, from this replica's cache or the log; `NotFound` if there is none."""
+        session = self._sessions.get(session_id) or await self._load(session_id)
+        if session is None:
+            raise NotFound(f"no session {session_id!r}; create it with POST /sessions")
+        return session
+
+    async def ready_for_requests(self, session_id: str) -> Session:
+        """The session, if it may take model requests now; `Conflict` saying why not."""
+        session = await self.get(session_id)
+        if session.status == "active" and session.past_deadline:
+            await self.finish(session_id, Finish(status="timeout", reason="deadline passed"))
+            raise Conflict(f"session {session_id!r} passed its deadline of {session.deadline_s}s")
+        if session.status != "active":
+            raise Conflict(f"session {session_id!r} is finished ({session.status})")
+        if session.discarded is not None:
+            raise Conflict(f"session {session_id!r} was discarded: {session.discarded}")
+        return session
+
+    async def finish(self, session_id: str, request: Finish) -> Session:
+        """Make every event of the session durable, then record that it finished."""
+        session = await self.get(session_id)
+        if session.status != "active":
+            if session.status == request.status:
+                return session  # a retried finish
+            raise Conflict(f"session {session_id!r} already finished ({session.status})")
+        await self.writer.flush(session_id=session_id)
+        await self._append(session, EventType.SESSION_FINISHED, request.model_dump())
+        session.status = request.status
+        return session
+
+    async def reward(self, session_id: str, request: Reward) -> Session:
+        """Record a reward (a later one corrects an earlier one)."""
+        session = await self.get(session_id)
+        await self._append(session, EventType.REWARD_ASSIGNED, request.model_dump())
+        return session
+
+    async def discard(self, session_id: str, request: Discard) -> Session:
+        """Record that the session must not be trained on; it stays in the log."""
+        session = await self.get(session_id)
+        await self._append(session, EventType.SESSION_DISCARDED, request.model_dump())
+        session.discarded = request.reason
+        return session
+
+    async def _append(
+        self, session: Session, event_type: EventType, payload: dict[str, Any]
+    ) -> None:
+        event = NewEvent(
+            event_type, session_id=session.session_id, run_id=session.run_id, payload=payload
+        )
+        await self.store.append(session_stream(session.session_id), [event])
+
+    async def _load(self, session_id: str) -> Session | None:
+        if len(session_id) > MAX_ID_LENGTH:
+            raise BadRequest(f"session ids are at most {MAX_ID_LENGTH} characters")
+        events = await self.store.read_stream(session_stream(session_id))
+        if not events:
+            return None
+        record = rebuild_session(session_id, events)
+        session = Session(
+            session_id=session_id,
+            run_id=record.run_id or "",
+            task_id=record.task_id,
+            group_id=record.group_id,
+            metadata=record.metadata,
+            deadline_s=record.deadline_s,
+            created_at=record.created_at or 0.0,
+            status=record.status,
+            discarded=record.discarded,
+        )
+        self._sessions[session_id] = session
+        return session

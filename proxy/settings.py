@@ -1,0 +1,59 @@
+"""Configuration of the proxy: one pydantic-settings object, environment prefix `TRAJSTORE_`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class ProxySettings(BaseSettings):
+    """How the proxy listens, which engines it serves from, and its limits."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAJSTORE_", extra="ignore")
+
+    engines: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Engine base URLs (vLLM OpenAI servers); env: comma-separated.",
+    )
+    host: str = Field(default="127.0.0.1", description="Address to listen on.")
+    port: int = Field(default=8400, ge=0, le=65535, description="Port to listen on.")
+    public_url: str | None = Field(
+        default=None, description="URL agents reach the proxy at (default: http://HOST:PORT)."
+    )
+    api_key: str | None = Field(
+        default=None,
+        description="When set, creating sessions and admin calls need it as a Bearer token.",
+    )
+    session_secret: str | None = Field(
+        default=None,
+        description="Secret that derives per-session API keys; share it between replicas "
+        "(default: TRAJSTORE_API_KEY, else random per process).",
+    )
+    engine_api_key: str | None = Field(
+        default=None, description="Bearer token the engines want (vLLM --api-key), if any."
+    )
+    policy_version: str = Field(default="0", description="Initial policy version of engines.")
+    logprobs_mode: str = Field(
+        default="raw_logprobs",
+        description="What the engines' logprobs mean (vLLM --logprobs-mode), recorded per turn.",
+    )
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, description="Largest request body.")
+    request_timeout: float = Field(
+        default=600.0, description="Seconds an engine may take (between stream chunks)."
+    )
+    max_in_flight: int = Field(default=256, description="Requests per engine before fallback.")
+    chunk_tokens: int = Field(
+        default=16, description="Streamed tokens coalesced into one completion_chunk event."
+    )
+    writer_max_pending: int = Field(
+        default=200_000, description="Events the recorder may hold before refusing requests."
+    )
+
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _split_engines(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [url.strip() for url in value.split(",") if url.strip()]
+        return value

@@ -1,0 +1,198 @@
+"""The OpenAI wire format as the proxy handles it: check, ask for more, give back what was asked.
+
+Bodies stay plain dicts end to end: fields the proxy does not know pass through untouched in both
+directions (a proxy must not drop what a newer client or engine sends). The proxy always asks the
+engine for what training needs (vLLM: `return_token_ids`, `logprobs`) and removes from the answer
+what the agent did not ask for itself, so the agent sees the shape it would have seen directly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from proxy.errors import BadRequest
+
+Api = Literal["chat", "completions"]
+
+ENGINE_PATHS: dict[str, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+}
+
+#: The request fields that shape sampling, recorded with every turn for the trainer.
+SAMPLING_FIELDS = (
+    "model", "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens",
+    "n", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "allowed_token_ids", "logprobs", "top_logprobs",
+    "response_format", "tool_choice", "ignore_eos", "min_tokens", "skip_special_tokens",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Asked:
+    """Which of the fields the proxy adds the agent asked for itself."""
+
+    token_ids: bool
+    logprobs: bool
+    usage: bool
+
+    def as_json(self) -> dict[str, bool]:
+        """A JSON-able view, recorded with the request."""
+        return {"token_ids": self.token_ids, "logprobs": self.logprobs, "usage": self.usage}
+
+
+def parse_body(api: Api, raw: bytes) -> dict[str, Any]:
+    """The request body as a dict, or `BadRequest` saying what is wrong with it."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    if api == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty list", param="messages")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise BadRequest("each message must be an object with a 'role'", param="messages")
+    else:
+        prompt = body.get("prompt")
+        one_text = isinstance(prompt, str)
+        one_ids = isinstance(prompt, list) and all(type(t) is int for t in prompt) and prompt
+        if not (one_text or one_ids):
+            raise BadRequest(
+                "'prompt' must be one string or one list of token ids "
+                "(send batched prompts as separate requests)",
+                param="prompt",
+            )
+    n = body.get("n", 1)
+    if type(n) is not int or n < 1:
+        raise BadRequest("'n' must be a positive integer", param="n")
+    if not isinstance(body.get("stream", False), bool):
+        raise BadRequest("'stream' must be true or false", param="stream")
+    return body
+
+
+def asked_for(api: Api, body: dict[str, Any]) -> Asked:
+    """What the agent asked for itself, before the proxy adds its own asks."""
+    logprobs = body.get("logprobs")
+    options = body.get("stream_options")
+    return Asked(
+        token_ids=body.get("return_token_ids") is True,
+        logprobs=bool(logprobs) if api == "chat" else logprobs is not None,
+        usage=isinstance(options, dict) and bool(options.get("include_usage")),
+    )
+
+
+def engine_body(api: Api, body: dict[str, Any]) -> dict[str, Any]:
+    """The body sent to the engine: the agent's, plus token ids, logprobs and (streaming) usage."""
+    out = dict(body)
+    out["return_token_ids"] = True
+    if api == "chat":
+        out["logprobs"] = True
+    elif out.get("logprobs") is None:
+        out["logprobs"] = 0  # the sampled token's logprob only
+    if out.get("stream"):
+        options = dict(out.get("stream_options") or {})
+        options["include_usage"] = True
+        out["stream_options"] = options
+    return out
+
+
+def sampling_of(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling-relevant fields of a request, for the record."""
+    return {k: body[k] for k in SAMPLING_FIELDS if k in body}
+
+
+def strip(data: dict[str, Any], asked: Asked, *, streaming: bool) -> dict[str, Any]:
+    """Give an answer (or a stream chunk) the shape it has when the agent asks directly.
+
+    In place. vLLM answers `null` for token-id fields it was not asked for, and leaves them out
+    of stream chunks; logprobs not asked for are `null` in both.
+    """
+    if not asked.token_ids:
+        _blank(data, "prompt_token_ids", streaming)
+    for choice in data.get("choices") or ():
+        if not asked.token_ids:
+            _blank(choice, "token_ids", streaming)
+            _blank(choice, "prompt_token_ids", streaming)
+        if not asked.logprobs and "logprobs" in choice:
+            choice["logprobs"] = None
+    return data
+
+
+def _blank(data: dict[str, Any], key: str, streaming: bool) -> None:
+    if key not in data:
+        return
+    if streaming:
+        del data[key]
+    else:
+        data[key] = None
+
+
+@dataclass
+class ChoiceTokens:
+    """What one choice of an answer (or of a stream chunk) carries for the record."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    message: dict[str, Any] | None = None  # non-streaming chat: the whole message
+    delta: dict[str, Any] | None = None  # streaming chat: this chunk's delta
+
+
+@dataclass
+class Extracted:
+    """The recordable content of an answer or a stream chunk."""
+
+    prompt_token_ids: list[int] | None = None
+    choices: list[ChoiceTokens] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+
+
+def _logprobs_of(api: Api, choice: dict[str, Any], n_tokens: int) -> list[float] | None:
+    block = choice.get("logprobs")
+    if not isinstance(block, dict):
+        return None
+    if api == "chat":
+        values = [entry.get("logprob") for entry in block.get("content") or ()]
+    else:
+        values = list(block.get("token_logprobs") or ())
+    if len(values) != n_tokens:
+        return None  # the record keeps the ids; a mismatch is never papered over
+    return [-math.inf if v is None else float(v) for v in values]
+
+
+def extract(api: Api, data: dict[str, Any]) -> Extracted:
+    """Token ids, logprobs, text and outcome of each choice in an answer or a stream chunk."""
+    out = Extracted(usage=data.get("usage"))
+    prompt = data.get("prompt_token_ids")
+    for choice in data.get("choices") or ():
+        if prompt is None and choice.get("prompt_token_ids") is not None:
+            prompt = choice["prompt_token_ids"]  # completions: per choice
+        ids = choice.get("token_ids") or []
+        item = ChoiceTokens(
+            index=int(choice.get("index") or 0),
+            token_ids=ids,
+            logprobs=_logprobs_of(api, choice, len(ids)),
+            finish_reason=choice.get("finish_reason"),
+            stop_reason=choice.get("stop_reason"),
+        )
+        if api == "completions":
+            item.text = choice.get("text") or ""
+        elif "message" in choice:
+            item.message = choice["message"]
+            item.text = (choice["message"] or {}).get("content") or ""
+        else:
+            item.delta = choice.get("delta") or {}
+            item.text = item.delta.get("content") or ""
+        out.choices.append(item)
+    out.prompt_token_ids = prompt
+    return out

@@ -1,0 +1,111 @@
+"""Fixtures for the proxy: a fake engine, the proxy served by a real uvicorn, an agent client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from openai import AsyncOpenAI
+
+from proxy.app import create_app
+from proxy.settings import ProxySettings
+from store import EventStore
+from tests.conftest import free_port
+from tests.proxy.fake_engine import FakeEngine
+
+
+@dataclass
+class RunningProxy:
+    """A proxy serving on a local port, and handy ways to talk to it."""
+
+    url: str
+    settings: ProxySettings
+    http: httpx.AsyncClient
+    app: Any
+
+    async def new_session(self, **body: Any) -> dict[str, Any]:
+        """Create a session and return the proxy's answer (session_id, base_url, api_key)."""
+        body.setdefault("run_id", "run-1")
+        headers = {}
+        if self.settings.api_key:
+            headers["Authorization"] = f"Bearer {self.settings.api_key}"
+        response = await self.http.post(f"{self.url}/sessions", json=body, headers=headers)
+        assert response.status_code in (200, 201), response.text
+        created: dict[str, Any] = response.json()
+        return created
+
+    def agent(self, session: dict[str, Any]) -> AsyncOpenAI:
+        """An official OpenAI client pointed at the session, as an agent would be."""
+        return AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
+
+
+@contextlib.asynccontextmanager
+async def serve_proxy(settings: ProxySettings, database_url: str) -> AsyncIterator[RunningProxy]:
+    """Run the proxy app under uvicorn in this event loop until the block ends."""
+    app = create_app(settings, database_url)
+    config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning",
+                            lifespan="on")  # fmt: skip
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    for _ in range(500):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    if task.done():
+        task.result()  # raise what stopped it
+    assert server.started, "the proxy did not start"
+    async with httpx.AsyncClient(timeout=30) as http:
+        try:
+            yield RunningProxy(f"http://127.0.0.1:{settings.port}", settings, http, app)
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(task, 15)
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    """A fake vLLM engine on a local port."""
+    async with FakeEngine() as fake:
+        yield fake
+
+
+ProxyFactory = Callable[..., Awaitable[RunningProxy]]
+
+
+@pytest.fixture
+async def start_proxy(database_url: str) -> AsyncIterator[ProxyFactory]:
+    """Start proxies with chosen settings; all are stopped after the test."""
+    stack = contextlib.AsyncExitStack()
+
+    async def start(engines: list[str], **overrides: Any) -> RunningProxy:
+        settings = ProxySettings(engines=engines, port=free_port(), **overrides)
+        return await stack.enter_async_context(serve_proxy(settings, database_url))
+
+    async with stack:
+        yield start
+
+
+@pytest.fixture
+async def proxy(start_proxy: ProxyFactory, engine: FakeEngine) -> RunningProxy:
+    """One proxy in front of one fake engine."""
+    return await start_proxy([engine.url])
+
+
+@pytest.fixture
+async def events_of(database_url: str) -> AsyncIterator[Callable[[str], Awaitable[list[Any]]]]:
+    """Read a session's recorded events straight from the store."""
+    store = await EventStore.open(database_url)
+
+    async def read(session_id: str) -> list[Any]:
+        return await store.read_session(session_id)
+
+    try:
+        yield read
+    finally:
+        await store.close()

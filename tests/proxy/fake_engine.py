@@ -1,0 +1,384 @@
+"""An in-process fake of vLLM 0.32's OpenAI server, for the proxy's tests and benchmark.
+
+The response shapes copy the captures in docs/engine-vllm-cpu.md (key order included); the
+completions *stream* was not captured, so its shape follows vLLM's serving code.
+
+Tokenisation is fake but keeps the property the recorder relies on:
+
+- ``word_id(w)``: a word ``t<N>`` with 5 <= N < 500 is id N (the inverse of the detokeniser,
+  which renders id N as ``"t<N> "``); any other word is ``5 + crc32(w) % 495``.
+- a chat message is ``[1 <|im_start|>, word_id(role), 203 "\\n", *word_ids(content),
+  2 <|im_end|>, 203]``; the prompt is the messages followed by ``[1, word_id("assistant"), 203]``.
+- a completions prompt that is a list of ints is used as-is; a string is ``word_ids(prompt)``.
+- generated ids lie in [5, 500); eos is id 2 with text ``<|im_end|>`` and no content.
+
+So, as with vLLM, when the assistant reply is replayed unchanged turn k+1's prompt starts with
+turn k's prompt + completion ids: a reply cut by ``length`` is followed by the template's
+``[2, 203]``, a reply ending with eos 2 by ``203``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+import uuid
+import zlib
+from functools import partial
+from types import TracebackType
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+IM_START, EOS, NEWLINE = 1, 2, 203
+MAX_MODEL_LEN = 2048
+FINGERPRINT = "vllm-0.32.0-fake"
+FAULTS = frozenset({"error-400", "error-500", "slow", "stall-mid-stream", "drop-mid-stream"})
+# What an instant-mode answer is cached by, besides the api and include_usage.
+_SHAPE = ("stream", "n", "max_tokens", "return_token_ids", "logprobs", "top_logprobs")
+_WORD_ID = re.compile(r"t(\d+)")
+
+# vLLM's fields beyond OpenAI's, null here as in the captures; a proxy must pass them through.
+_MESSAGE_NULLS = dict.fromkeys(["refusal", "annotations", "audio", "function_call", "reasoning"])
+_TAIL_NULLS = dict.fromkeys(["kv_transfer_params", "ec_transfer_params", "metrics"])
+_USAGE_NULLS = dict.fromkeys(["prompt_tokens_details", "completion_tokens_details"])
+
+JSON = dict[str, Any]
+Payload = bytes | list[bytes]  # a whole JSON body, or the SSE lines of a stream
+
+
+def word_id(word: str) -> int:
+    """The fake token id of one whitespace-separated word (see the module docstring)."""
+    m = _WORD_ID.fullmatch(word)
+    if m and 5 <= int(m[1]) < 500:
+        return int(m[1])
+    return 5 + zlib.crc32(word.encode()) % 495
+
+
+def token_text(tid: int) -> str:
+    """The text of a generated token, as it appears in logprobs."""
+    return "<|im_end|>" if tid == EOS else f"t{tid} "
+
+
+def _content(tid: int) -> str:
+    # vLLM skips special tokens in the text, so eos adds nothing to the content.
+    return "" if tid == EOS else token_text(tid)
+
+
+def chat_prompt_ids(messages: list[JSON]) -> list[int]:
+    """The prompt ids of a chat request: ChatML framing around word ids."""
+    ids: list[int] = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts
+            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        words = str(content or "").split()
+        if m.get("tool_calls"):  # so that tool-call turns tokenise to something distinct
+            words += orjson.dumps(m["tool_calls"], option=orjson.OPT_SORT_KEYS).decode().split()
+        ids += [IM_START, word_id(str(m.get("role", ""))), NEWLINE]
+        ids += [*map(word_id, words), EOS, NEWLINE]
+    return [*ids, IM_START, word_id("assistant"), NEWLINE]
+
+
+def completion_prompt_ids(prompt: Any) -> list[int]:
+    """The prompt ids of a completions request: token ids as-is, text by word ids."""
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list):  # a batch of prompts: the fake answers the first only
+        prompt = prompt[0] if prompt else ""
+    return [word_id(w) for w in str(prompt).split()]
+
+
+def _error(status: int, message: str) -> web.Response:
+    """vLLM's error answer: the status, and the same code inside the JSON."""
+    kind = "BadRequestError" if status == 400 else "InternalServerError"
+    err = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.Response(status=status, body=orjson.dumps(err), content_type="application/json")
+
+
+def _sse(obj: JSON) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _logprob(tid: int, pos: int) -> float:
+    # In [-5, 0), the same for the same token at the same position.
+    return -5.0 + 5.0 * random.Random(tid * 7919 + pos).random()
+
+
+def _top(tid: int, lp: float, k: int) -> list[tuple[str, float]]:
+    # The sampled token first, then k-1 distinct, less likely alternatives.
+    alts = [(5 + (tid - 5 + 7 * j) % 495, lp - 0.5 * j) for j in range(1, k)]
+    return [(token_text(t), v) for t, v in [(tid, lp), *alts][:k]]
+
+
+def _chat_logprobs(ids: list[int], pos: int, k: int) -> JSON:
+    """Chat's ``logprobs`` for tokens starting at position ``pos``, top_logprobs=k."""
+
+    def entry(token: str, lp: float) -> JSON:
+        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+    content = []
+    for j, tid in enumerate(ids):
+        lp = _logprob(tid, pos + j)
+        top = [entry(s, v) for s, v in _top(tid, lp, k)]
+        content.append(entry(token_text(tid), lp) | {"top_logprobs": top})
+    return {"content": content}
+
+
+def _completion_logprobs(ids: list[int], pos: int, offset: int, k: int) -> JSON:
+    """Completions' ``logprobs``; ``offset`` is the text length before these tokens."""
+    lps = [_logprob(tid, pos + j) for j, tid in enumerate(ids)]
+    offsets = [offset + sum(len(_content(t)) for t in ids[:j]) for j in range(len(ids))]
+    return {
+        "text_offset": offsets,
+        "token_logprobs": lps,
+        "tokens": [token_text(t) for t in ids],
+        "top_logprobs": [dict(_top(t, lp, k)) for t, lp in zip(ids, lps, strict=True)],
+    }
+
+
+class FakeEngine:
+    """A fake vLLM OpenAI server on aiohttp.web with deterministic output and fault injection.
+
+    ``fault`` (or per request the ``model`` name or an ``X-Fake-Fault`` header) is one of
+    FAULTS. ``instant=True`` serves bytes cached per request shape, to benchmark the proxy.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_name: str = "tiny",
+        completion_tokens: int | None = None,
+        finish_with_eos: bool = True,
+        token_delay: float = 0.0,
+        delay: float = 1.0,
+        fault: str | None = None,
+        instant: bool = False,
+    ) -> None:
+        self.model_name = model_name
+        self.completion_tokens = completion_tokens  # caps max_tokens; below it the answer stops
+        self.finish_with_eos = finish_with_eos
+        self.token_delay = token_delay
+        self.delay = delay
+        self.fault = fault
+        self.instant = instant
+        self.healthy = True
+        self.url = ""
+        self.requests: list[JSON] = []
+        self.requests_headers: list[dict[str, str]] = []
+        self.disconnects: list[str] = []  # response ids whose client went away mid-answer
+        self.in_flight = 0
+        self._cache: dict[tuple[object, ...], Payload] = {}
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen and return the base URL (``http://host:port``, without ``/v1``)."""
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", partial(self._serve, api="chat"))
+        app.router.add_post("/v1/completions", partial(self._serve, api="completions"))
+        # Cancel handlers when the client leaves, as vLLM aborts the request.
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
+        )
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        bound_host, bound_port = self._runner.addresses[0][:2]
+        self.url = f"http://{bound_host}:{bound_port}"
+        return self.url
+
+    async def stop(self) -> None:
+        """Close the listener and every open connection."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> FakeEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model_name, "object": "model", "created": int(time.time())}
+        card |= {"owned_by": "vllm", "root": self.model_name, "parent": None}
+        card |= {"max_model_len": MAX_MODEL_LEN, "permission": []}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
+        body: JSON = orjson.loads(await request.read())
+        self.requests.append(body)
+        self.requests_headers.append(dict(request.headers))
+        self.in_flight += 1
+        try:
+            fault = request.headers.get("X-Fake-Fault") or (
+                body.get("model") if body.get("model") in FAULTS else self.fault
+            )
+            if fault in ("error-400", "error-500"):
+                status = int(fault[-3:])
+                return _error(status, f"fake engine fault {fault}")
+            if fault == "slow":
+                await asyncio.sleep(self.delay)
+            opts = body.get("stream_options") or {}
+            key = (api, *(body.get(f) for f in _SHAPE), opts.get("include_usage"))
+            payload = self._cache.get(key) if self.instant else None
+            if payload is None:
+                payload = self._render(api, body)
+                if self.instant:
+                    self._cache[key] = payload
+            if isinstance(payload, bytes):
+                payload = [payload]  # faults below treat a whole answer as one chunk
+                if fault not in ("stall-mid-stream", "drop-mid-stream"):
+                    return web.Response(body=payload[0], content_type="application/json")
+                return await self._write(request, payload, fault, web.StreamResponse())
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+            return await self._write(request, payload, fault, resp)
+        finally:
+            self.in_flight -= 1
+
+    async def _write(
+        self, request: web.Request, chunks: list[bytes], fault: str | None, resp: web.StreamResponse
+    ) -> web.StreamResponse:
+        """Send the chunks, honouring token_delay and the mid-stream faults."""
+        half = len(chunks) // 2
+        try:
+            for k, chunk in enumerate(chunks):
+                if k == half and fault == "drop-mid-stream":
+                    # Closing the socket ends the chunked body without its terminator.
+                    if request.transport is not None:
+                        request.transport.close()
+                    return resp
+                if k == half and fault == "stall-mid-stream":
+                    # Hang: handler_cancellation cancels us when the client goes (or at stop()).
+                    await asyncio.Event().wait()
+                if not resp.prepared:  # lazily, so a whole-answer fault precedes the headers
+                    await resp.prepare(request)
+                await resp.write(chunk)
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+            await resp.write_eof()
+        except asyncio.CancelledError:
+            self.disconnects.append(self._rid(chunks))
+            raise
+        except ConnectionResetError:
+            self.disconnects.append(self._rid(chunks))
+        return resp
+
+    @staticmethod
+    def _rid(chunks: list[bytes]) -> str:
+        first = chunks[0].removeprefix(b"data: ")
+        return str(orjson.loads(first).get("id", ""))
+
+    def _generate(self, prompt: list[int], body: JSON, index: int) -> tuple[list[int], str]:
+        """One choice's ids and finish reason, a function of the prompt, seed and index."""
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        length = min(max_tokens, self.completion_tokens or max_tokens)
+        rng = random.Random(zlib.crc32(orjson.dumps([prompt, body.get("seed"), index])))
+        ids = [rng.randrange(5, 500) for _ in range(length)]
+        if length == max_tokens:
+            return ids, "length"
+        if self.finish_with_eos:
+            ids[-1] = EOS
+        return ids, "stop"
+
+    def _render(self, api: str, body: JSON) -> Payload:
+        """The answer as JSON bytes, or as the SSE lines of a stream."""
+        chat = api == "chat"
+        if chat:
+            prompt = chat_prompt_ids(body.get("messages") or [])
+        else:
+            prompt = completion_prompt_ids(body.get("prompt"))
+        n = int(body.get("n") or 1)
+        choices = [self._generate(prompt, body, i) for i in range(n)]
+        rti = bool(body.get("return_token_ids"))
+        # Chat asks with logprobs=true + top_logprobs=k, completions with logprobs=k.
+        if chat:
+            k = int(body.get("top_logprobs") or 0) if body.get("logprobs") else None
+        else:
+            k = None if body.get("logprobs") is None else max(int(body["logprobs"]), 1)
+
+        def logprobs(ids: list[int], pos: int = 0, count: int | None = None) -> JSON | None:
+            """The logprobs of ids[pos:pos+count] (all by default), or None if not asked."""
+            if k is None:
+                return None
+            part = ids[pos:] if count is None else ids[pos : pos + count]
+            if chat:
+                return _chat_logprobs(part, pos, k)
+            return _completion_logprobs(part, pos, sum(len(_content(t)) for t in ids[:pos]), k)
+
+        stream = bool(body.get("stream"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
+        obj = ("chat.completion" + (".chunk" if stream else "")) if chat else "text_completion"
+        head = {"id": rid, "object": obj, "created": int(time.time())}
+        head["model"] = body.get("model") or self.model_name
+        p, done = len(prompt), sum(len(ids) for ids, _ in choices)
+        usage = {"prompt_tokens": p, "total_tokens": p + done, "completion_tokens": done}
+        prompt_ids = prompt if rti else None
+
+        if not stream:
+            out: list[JSON] = []
+            for i, (choice_ids, finish) in enumerate(choices):
+                text = "".join(map(_content, choice_ids))
+                c: JSON = {"index": i}
+                if chat:
+                    c["message"] = {"role": "assistant", "content": text, **_MESSAGE_NULLS}
+                else:
+                    c["text"] = text
+                c |= {"logprobs": logprobs(choice_ids), "finish_reason": finish}
+                c |= {"stop_reason": None, "token_ids": choice_ids if rti else None}
+                if not chat:
+                    c |= {"prompt_logprobs": None, "prompt_token_ids": prompt_ids}
+                out.append(c | {"routed_experts": None})
+            full: JSON = {**head, "choices": out, "service_tier": None}
+            full |= {"system_fingerprint": FINGERPRINT, "usage": usage | _USAGE_NULLS}
+            if chat:
+                full |= {"prompt_logprobs": None, "prompt_token_ids": prompt_ids}
+                full["prompt_text"] = None
+            return orjson.dumps(full | _TAIL_NULLS)
+
+        lines: list[bytes] = []
+        if chat:  # one role chunk per choice, carrying the prompt ids
+            for i in range(n):
+                delta = {"role": "assistant", "content": ""}
+                role = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                chunk: JSON = {**head, "choices": [role]}
+                if rti:
+                    chunk |= {"prompt_token_ids": prompt, "prompt_text": None}
+                lines.append(_sse(chunk))
+        # One token per chunk, the choices interleaved, as vLLM's n=2 capture shows.
+        for j in range(max(len(ids) for ids, _ in choices)):
+            for i, (choice_ids, finish) in enumerate(choices):
+                if j >= len(choice_ids):
+                    continue
+                tid, last = choice_ids[j], j == len(choice_ids) - 1
+                ch: JSON = {"index": i}
+                if chat:  # eos shows as an empty delta that still has its token id
+                    ch["delta"] = {"content": _content(tid)} if tid != EOS else {}
+                else:
+                    ch["text"] = _content(tid)
+                ch["logprobs"] = logprobs(choice_ids, j, 1)
+                ch["finish_reason"] = finish if last else None
+                if last:
+                    ch["stop_reason"] = None
+                if rti:
+                    ch["token_ids"] = [tid]
+                    if not chat and j == 0:  # completions: prompt ids in each choice's first chunk
+                        ch["prompt_token_ids"] = prompt
+                chunk = {**head, "choices": [ch]}
+                if last and not include_usage:  # captured: otherwise it is on the usage chunk
+                    chunk["system_fingerprint"] = FINGERPRINT
+                lines.append(_sse(chunk))
+        if include_usage:
+            usage_chunk = {**head, "choices": [], "usage": usage}
+            lines.append(_sse(usage_chunk | {"system_fingerprint": FINGERPRINT}))
+        return [*lines, b"data: [DONE]\n\n"]

@@ -1,0 +1,203 @@
+"""The proxy in front of a fake engine: what agents get back, and what the store keeps.
+
+These tests drive a real uvicorn-served proxy with the official openai client, against a real
+PostgreSQL; only the engine is a fake (tests/proxy/fake_engine.py), for the wire details.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from store import EventType
+from tests.proxy.conftest import RunningProxy
+from tests.proxy.fake_engine import FakeEngine
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "add 2 and 3"}], "max_tokens": 8}
+
+
+def without_ids(answer: dict[str, Any]) -> dict[str, Any]:
+    """An answer minus what differs between two calls (ids, timestamps)."""
+    answer = dict(answer)
+    for key in ("id", "created"):
+        answer.pop(key, None)
+    return answer
+
+
+async def direct(engine: FakeEngine, path: str, body: dict[str, Any]) -> httpx.Response:
+    async with httpx.AsyncClient() as http:
+        return await http.post(f"{engine.url}/v1/{path}", json=body)
+
+
+async def finish(proxy: RunningProxy, session: dict[str, Any]) -> None:
+    url = f"{proxy.url}/sessions/{session['session_id']}/finish"
+    response = await proxy.http.post(url, json={"status": "completed"})
+    assert response.status_code == 200, response.text
+
+
+async def recorded(proxy: RunningProxy, session_id: str) -> dict[str, Any]:
+    response = await proxy.http.get(f"{proxy.url}/sessions/{session_id}")
+    assert response.status_code == 200, response.text
+    record: dict[str, Any] = response.json()
+    return record
+
+
+@pytest.mark.parametrize(
+    "asked", [{}, {"logprobs": True, "extra_body": {"return_token_ids": True}}]
+)
+async def test_agent_gets_exactly_the_engines_answer_and_the_store_keeps_the_tokens(
+    proxy: RunningProxy, engine: FakeEngine, asked: dict[str, Any]
+) -> None:
+    session = await proxy.new_session()
+    agent = proxy.agent(session)
+    answer = await agent.chat.completions.create(**CHAT, **asked)  # type: ignore[call-overload]
+
+    # The same request straight to the engine, as the agent would have made it without us.
+    direct_body = {**CHAT, **{k: v for k, v in asked.items() if k != "extra_body"}}
+    direct_body.update(asked.get("extra_body", {}))
+    expected = (await direct(engine, "chat/completions", direct_body)).json()
+    assert without_ids(answer.model_dump(exclude_unset=True)) == without_ids(expected)
+
+    # The engine was always asked for what training needs.
+    sent = engine.requests[0]
+    assert sent["return_token_ids"] is True and sent["logprobs"] is True
+
+    record = await recorded(proxy, session["session_id"])
+    [turn] = record["turns"]
+    full = (await direct(engine, "chat/completions", {**CHAT, "return_token_ids": True,
+                                                      "logprobs": True})).json()  # fmt: skip
+    assert turn["prompt_token_ids"] == full["prompt_token_ids"]
+    [choice] = turn["choices"]
+    assert choice["token_ids"] == full["choices"][0]["token_ids"]
+    assert choice["logprobs"] == pytest.approx(
+        [c["logprob"] for c in full["choices"][0]["logprobs"]["content"]], abs=1e-6
+    )
+    assert choice["finish_reason"] == full["choices"][0]["finish_reason"]
+    assert turn["messages"] == CHAT["messages"]
+    assert turn["engine"] == engine.url
+    assert turn["policy_version"] == "0"
+    assert turn["logprobs_mode"] == "raw_logprobs"
+    assert turn["sampling"]["max_tokens"] == 8
+
+
+async def test_streaming_relays_chunks_and_records_them_coalesced(
+    proxy: RunningProxy, engine: FakeEngine, events_of: Any
+) -> None:
+    session = await proxy.new_session()
+    agent = proxy.agent(session)
+    body = {**CHAT, "max_tokens": 40}
+    chunks = [c async for c in await agent.chat.completions.create(**body, stream=True)]
+    texts = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert texts  # content arrived chunk by chunk
+    assert all(c.usage is None for c in chunks)  # the agent did not ask for usage
+    assert all("token_ids" not in (c.choices[0].model_extra or {}) for c in chunks if c.choices)
+
+    await finish(proxy, session)
+    events = await events_of(session["session_id"])
+    chunk_events = [e for e in events if e.type == EventType.COMPLETION_CHUNK]
+    tokens = [t for e in chunk_events for t in e.token_ids.tolist()]
+    full = (await direct(engine, "chat/completions", {**body, "return_token_ids": True})).json()
+    assert tokens == full["choices"][0]["token_ids"]
+    assert 1 < len(chunk_events) < len(tokens)  # coalesced: several tokens per event
+    finished = next(e for e in events if e.type == EventType.COMPLETION_FINISHED)
+    assert finished.payload["usage"]["completion_tokens"] == len(tokens)
+    assert finished.payload["ttft_s"] is not None
+    assert finished.payload["choices"][0]["message"]["content"] == texts
+
+
+async def test_streaming_with_everything_asked_passes_usage_and_ids(proxy: RunningProxy) -> None:
+    session = await proxy.new_session()
+    agent = proxy.agent(session)
+    stream = await agent.chat.completions.create(
+        **CHAT, stream=True, stream_options={"include_usage": True}, logprobs=True,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    chunks = [c async for c in stream]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get(
+        "token_ids") or []]  # fmt: skip
+    assert len(ids) == 8
+    assert (chunks[0].model_extra or {}).get("prompt_token_ids")
+
+
+async def test_completions_with_a_token_id_prompt(proxy: RunningProxy, engine: FakeEngine) -> None:
+    session = await proxy.new_session()
+    agent = proxy.agent(session)
+    answer = await agent.completions.create(model="tiny", prompt=[1, 7, 9, 11], max_tokens=5)
+    assert answer.choices[0].logprobs is None
+    record = await recorded(proxy, session["session_id"])
+    [turn] = record["turns"]
+    assert turn["api"] == "completions"
+    assert turn["prompt_token_ids"] == [1, 7, 9, 11]
+    assert len(turn["choices"][0]["token_ids"]) == 5
+    assert len(turn["choices"][0]["logprobs"]) == 5
+    assert engine.requests[0]["logprobs"] == 0  # the sampled token's logprob, nothing more
+
+
+async def test_every_choice_of_n_is_recorded(proxy: RunningProxy) -> None:
+    session = await proxy.new_session()
+    agent = proxy.agent(session)
+    answer = await agent.chat.completions.create(**CHAT, n=2)
+    assert len(answer.choices) == 2
+    record = await recorded(proxy, session["session_id"])
+    choices = record["turns"][0]["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert all(len(c["token_ids"]) == 8 for c in choices)
+
+
+async def test_unknown_fields_pass_through_both_ways(
+    proxy: RunningProxy, engine: FakeEngine
+) -> None:
+    session = await proxy.new_session()
+    response = await proxy.http.post(
+        f"{session['base_url']}/chat/completions",
+        json={**CHAT, "vendor_knob": {"x": 1}},
+        headers={"Authorization": f"Bearer {session['api_key']}"},
+    )
+    assert response.status_code == 200
+    assert engine.requests[0]["vendor_knob"] == {"x": 1}
+    assert "kv_transfer_params" in response.json()  # a field only the engine knows
+
+
+async def test_multi_turn_session_with_tools_is_rebuilt_turn_by_turn(proxy: RunningProxy) -> None:
+    session = await proxy.new_session(task_id="add", group_id="g1", metadata={"k": "v"})
+    agent = proxy.agent(session)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "add 2 and 3"}]
+    first = await agent.chat.completions.create(model="tiny", messages=messages, tools=tools,
+                                                max_tokens=6)  # type: ignore[arg-type]  # fmt: skip
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "tool", "tool_call_id": "call-1", "content": "5"},
+    ]
+    await agent.chat.completions.create(model="tiny", messages=messages, tools=tools,
+                                        max_tokens=6, stream=False)  # type: ignore[arg-type]  # fmt: skip
+    await finish(proxy, session)
+    record = await recorded(proxy, session["session_id"])
+    assert record["status"] == "completed"
+    assert (record["task_id"], record["group_id"], record["metadata"]) == ("add", "g1", {"k": "v"})
+    assert len(record["turns"]) == 2
+    first_turn, second_turn = record["turns"]
+    assert second_turn["tools"] == tools
+    assert second_turn["messages"][-1]["role"] == "tool"
+    # Turn 2's prompt extends turn 1's prompt and completion, token for token.
+    so_far = first_turn["prompt_token_ids"] + first_turn["choices"][0]["token_ids"]
+    assert second_turn["prompt_token_ids"][: len(so_far)] == so_far
+
+
+async def test_session_header_route_for_agents_that_cannot_change_the_path(
+    proxy: RunningProxy,
+) -> None:
+    session = await proxy.new_session()
+    response = await proxy.http.post(
+        f"{proxy.url}/v1/chat/completions",
+        content=orjson.dumps(CHAT),
+        headers={"X-Session-Id": session["session_id"],
+                 "Authorization": f"Bearer {session['api_key']}"},
+    )  # fmt: skip
+    assert response.status_code == 200
+    record = await recorded(proxy, session["session_id"])
+    assert len(record["turns"]) == 1
