@@ -33,7 +33,7 @@ import orjson
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.engines import EnginePool
@@ -219,6 +219,13 @@ class SessionCreated(BaseModel):
     run_id: str
 
 
+class PolicyVersion(BaseModel):
+    """`POST /admin/engines/policy-version`: after a weight sync."""
+
+    version: str = Field(min_length=1)
+    engine: str | None = None  # all engines when omitted
+
+
 def _add_routes(app: FastAPI) -> None:
     @app.post("/sessions", status_code=201, response_model=SessionCreated)
     async def create_session(
@@ -294,7 +301,11 @@ def _add_routes(app: FastAPI) -> None:
             open_without_admin_key=False,
         )  # fmt: skip
         session = await state.registry.ready_for_requests(session_id)
-        return await state.forwarder.handle(api, session, await request.body())  # type: ignore[arg-type]
+        passed_on = {
+            k: v for k, v in request.headers.items() if k.startswith("x-") and k != "x-session-id"
+        }
+        raw = await request.body()
+        return await state.forwarder.handle(api, session, raw, passed_on)  # type: ignore[arg-type]
 
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat(session_id: str, request: Request, state: State) -> Response:
@@ -360,12 +371,6 @@ def _add_routes(app: FastAPI) -> None:
     async def list_engines(state: State, authorization: Authorization = None) -> list[Any]:
         _require_admin(state, authorization)
         return state.engines.describe()
-
-    class PolicyVersion(BaseModel):
-        """`POST /admin/engines/policy-version`: after a weight sync."""
-
-        version: str
-        engine: str | None = None  # all engines when omitted
 
     @app.post("/admin/engines/policy-version")
     async def set_policy_version(

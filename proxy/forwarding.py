@@ -76,8 +76,14 @@ class Forwarder:
         self.settings = settings
         self.metrics = metrics
 
-    async def handle(self, api: Api, session: Session, raw: bytes) -> Response:
-        """Answer one request of `session` to `api` (chat or completions)."""
+    async def handle(
+        self, api: Api, session: Session, raw: bytes, extra_headers: dict[str, str] | None = None
+    ) -> Response:
+        """Answer one request of `session` to `api` (chat or completions).
+
+        `extra_headers` (the agent's own `X-*` headers, such as vLLM's X-Request-Id) are passed
+        on to the engine; the agent's key never is.
+        """
         body = parse_body(api, raw)
         asked = asked_for(api, body)
         if self.writer.saturated:
@@ -109,20 +115,27 @@ class Forwarder:
         await recorder.emit(received)
         self.metrics.requests_started.labels(api=api).inc()
         payload = orjson.dumps(engine_body(api, body))
+        headers = self._headers(extra_headers)
         if body.get("stream"):
-            return await self._stream(api, engine, payload, recorder, asked)
-        return await self._complete(api, engine, payload, recorder, asked)
+            return await self._stream(api, engine, payload, headers, recorder, asked)
+        return await self._complete(api, engine, payload, headers, recorder, asked)
 
     # -- non-streaming --------------------------------------------------------------------------
 
     async def _complete(
-        self, api: Api, engine: Engine, payload: bytes, recorder: RequestRecorder, asked: Asked
+        self,
+        api: Api,
+        engine: Engine,
+        payload: bytes,
+        headers: dict[str, str],
+        recorder: RequestRecorder,
+        asked: Asked,
     ) -> Response:
         timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
         with self.engines.lease(engine):
             try:
                 async with self.http.post(
-                    engine.url + ENGINE_PATHS[api], data=payload, headers=self._headers(),
+                    engine.url + ENGINE_PATHS[api], data=payload, headers=headers,
                     timeout=timeout,
                 ) as resp:  # fmt: skip
                     status, raw = resp.status, await resp.read()
@@ -145,14 +158,20 @@ class Forwarder:
     # -- streaming ------------------------------------------------------------------------------
 
     async def _stream(
-        self, api: Api, engine: Engine, payload: bytes, recorder: RequestRecorder, asked: Asked
+        self,
+        api: Api,
+        engine: Engine,
+        payload: bytes,
+        headers: dict[str, str],
+        recorder: RequestRecorder,
+        asked: Asked,
     ) -> Response:
         timeout = aiohttp.ClientTimeout(sock_read=self.settings.request_timeout)
         lease = self.engines.lease(engine)
         lease.__enter__()
         try:
             resp = await self.http.post(
-                engine.url + ENGINE_PATHS[api], data=payload, headers=self._headers(),
+                engine.url + ENGINE_PATHS[api], data=payload, headers=headers,
                 timeout=timeout,
             )  # fmt: skip
         except BaseException as exc:
@@ -231,8 +250,8 @@ class Forwarder:
 
     # -- failures and bookkeeping ---------------------------------------------------------------
 
-    def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": _JSON}
+    def _headers(self, extra: dict[str, str] | None) -> dict[str, str]:
+        headers = {"Content-Type": _JSON, **(extra or {})}
         if self.settings.engine_api_key:
             headers["Authorization"] = f"Bearer {self.settings.engine_api_key}"
         return headers

@@ -1,0 +1,151 @@
+"""The session API and its guards: idempotent creation, keys, finish, bad input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+from store import EventType
+from tests.proxy.conftest import ProxyFactory, RunningProxy
+from tests.proxy.fake_engine import FakeEngine
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+async def post(proxy: RunningProxy, path: str, body: Any, key: str | None = None) -> Any:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return await proxy.http.post(f"{proxy.url}{path}", json=body, headers=headers)
+
+
+async def test_a_client_chosen_session_id_is_idempotent(proxy: RunningProxy) -> None:
+    body = {"run_id": "r", "session_id": "trial-7", "task_id": "t", "metadata": {"seed": 1}}
+    first = await post(proxy, "/sessions", body)
+    again = await post(proxy, "/sessions", body)
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json() == again.json()
+    assert first.json()["base_url"] == f"{proxy.url}/sessions/trial-7/v1"
+    different = await post(proxy, "/sessions", {**body, "task_id": "other"})
+    assert different.status_code == 409
+    assert "different definition" in different.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({}, "run_id"),
+        ({"run_id": "r", "deadline_s": -1}, "deadline_s"),
+        ({"run_id": "r", "session_id": "has space"}, "session_id"),
+        ({"run_id": "r", "colour": "red"}, "colour"),
+    ],
+)
+async def test_bad_session_bodies_say_which_field(
+    proxy: RunningProxy, body: dict[str, Any], field: str
+) -> None:
+    response = await post(proxy, "/sessions", body)
+    assert response.status_code == 422
+    assert field in response.text
+
+
+async def test_keys_open_only_their_own_session(proxy: RunningProxy) -> None:
+    a, b = await proxy.new_session(), await proxy.new_session()
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=b["base_url"], api_key=a["api_key"],
+                                 max_retries=0).chat.completions.create(**CHAT)  # fmt: skip
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=a["base_url"], api_key="guess",
+                                 max_retries=0).chat.completions.create(**CHAT)  # fmt: skip
+    await proxy.agent(a).chat.completions.create(**CHAT)
+
+
+async def test_with_an_api_key_creating_and_admin_calls_need_it(
+    start_proxy: ProxyFactory, engine: FakeEngine, events_of: Any
+) -> None:
+    proxy = await start_proxy([engine.url], api_key="sekret")
+    assert (await post(proxy, "/sessions", {"run_id": "r"})).status_code == 401
+    assert (await proxy.http.get(f"{proxy.url}/admin/engines")).status_code == 401
+    session = await proxy.new_session()  # sends the key
+    await proxy.agent(session).chat.completions.create(**CHAT)
+    finished = await post(proxy, f"/sessions/{session['session_id']}/finish",
+                          {"status": "completed"})  # fmt: skip
+    assert finished.status_code == 401
+    finished = await post(proxy, f"/sessions/{session['session_id']}/finish",
+                          {"status": "completed"}, key=session["api_key"])  # fmt: skip
+    assert finished.status_code == 200
+    # Keys are never written into the log.
+    for event in await events_of(session["session_id"]):
+        text = str(event.payload)
+        assert "sekret" not in text and session["api_key"] not in text
+
+
+async def test_finish_reward_discard_and_what_follows(proxy: RunningProxy, events_of: Any) -> None:
+    session = await proxy.new_session()
+    sid = session["session_id"]
+    agent = proxy.agent(session)
+    await agent.chat.completions.create(**CHAT)
+    assert (await post(proxy, f"/sessions/{sid}/reward", {"value": 0.5})).status_code == 200
+    finished = await post(proxy, f"/sessions/{sid}/finish", {"status": "completed"})
+    assert finished.json() == {"session_id": sid, "status": "completed"}
+    # Every event of the session was durable when finish answered.
+    types = [e.type for e in await events_of(sid)]
+    assert types[-1] == EventType.SESSION_FINISHED
+    assert EventType.COMPLETION_FINISHED in types
+    # A retried finish is harmless; a contradicting one is refused.
+    assert (
+        await post(proxy, f"/sessions/{sid}/finish", {"status": "completed"})
+    ).status_code == 200
+    assert (await post(proxy, f"/sessions/{sid}/finish", {"status": "error"})).status_code == 409
+    with pytest.raises(openai.ConflictError, match="finished"):
+        await agent.chat.completions.create(**CHAT)
+    # Rewards may arrive after the episode; a later one corrects an earlier one.
+    await post(proxy, f"/sessions/{sid}/reward", {"value": 1.0, "components": {"ok": 1.0},
+                                                   "source": "judge"})  # fmt: skip
+    discarded = await post(proxy, f"/sessions/{sid}/discard", {"reason": "leaked answer"})
+    assert discarded.status_code == 200
+    record = (await proxy.http.get(f"{proxy.url}/sessions/{sid}")).json()
+    assert record["reward"] == 1.0 and len(record["rewards"]) == 2
+    assert record["discarded"] == "leaked answer"
+    assert record["status"] == "completed"
+
+
+async def test_unknown_session_is_404_and_bad_bodies_are_400_or_413(
+    start_proxy: ProxyFactory, engine: FakeEngine
+) -> None:
+    proxy = await start_proxy([engine.url], max_body_bytes=10_000)
+    missing = await proxy.http.post(f"{proxy.url}/sessions/nope/finish", json={"status": "error"})
+    assert missing.status_code == 404
+    session = await proxy.new_session()
+    url = f"{session['base_url']}/chat/completions"
+    auth = {"Authorization": f"Bearer {session['api_key']}"}
+    cases = [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (b'{"model": "tiny", "messages": []}', 400, "'messages' must be a non-empty list"),
+        (b'{"model": "tiny", "messages": [{"content": "x"}], "n": 1}', 400, "'role'"),
+        (b'{"model": "t", "messages": [{"role": "user", "content": "x"}], "n": 0}', 400, "'n'"),
+        (b'{"model": "t", "messages": [{"role": "user", "content": "a\\u0000b"}]}', 400, "NUL"),
+        (b'{"pad": "' + b"x" * 20_000 + b'"}', 413, "limit is 10000 bytes"),
+    ]
+    for body, status, message in cases:
+        response = await proxy.http.post(url, content=body, headers=auth)
+        assert response.status_code == status, (body[:40], response.text)
+        assert message in response.json()["error"]["message"]
+
+
+async def test_health_metrics_and_policy_versions(proxy: RunningProxy, engine: FakeEngine) -> None:
+    assert (await proxy.http.get(f"{proxy.url}/health")).json()["status"] == "ok"
+    engines = (await proxy.http.get(f"{proxy.url}/admin/engines")).json()
+    assert engines[0]["url"] == engine.url and engines[0]["healthy"] is True
+    changed = await post(proxy, "/admin/engines/policy-version", {"version": "step-42"})
+    assert changed.json()[0]["policy_version"] == "step-42"
+    session = await proxy.new_session()
+    await proxy.agent(session).chat.completions.create(**CHAT)
+    record = (await proxy.http.get(f"{proxy.url}/sessions/{session['session_id']}")).json()
+    assert record["turns"][0]["policy_version"] == "step-42"
+    metrics = (await proxy.http.get(f"{proxy.url}/metrics")).text
+    assert 'trajstore_requests_total{api="chat",status="200"} 1.0' in metrics
+    assert "trajstore_writer_pending_events" in metrics
+    assert "trajstore_time_to_first_token_seconds_bucket" in metrics
+    models = await proxy.agent(session).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
