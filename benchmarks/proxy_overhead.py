@@ -1,0 +1,650 @@
+"""What the recording proxy costs, against going direct and a bare pass-through, in the same run.
+
+    python benchmarks/proxy_overhead.py [--quick] [--duration 4] [--runs 2] [--sessions-soak 1000]
+
+Starts four processes: the instant fake engine (tests/proxy/fake_engine.py, cached answers), the
+floor (benchmarks/passthrough.py: aiohttp relay, no recording) and `trajstore proxy` recording
+into a scratch database; "direct" is load straight to the engine. This process drives closed-loop
+load (C workers, each sending chat completions of max_tokens 64 back to back for a fixed time),
+non-streaming and streaming, and reads each server's CPU time from /proc before and after: for
+trajstore also that of its PostgreSQL backends, after its writer has drained. Then every session
+is finished and the tokens stored are reconciled with the tokens the clients received, and a
+soak sends N concurrent streaming requests, one per fresh session, through trajstore.
+
+The database is TRAJSTORE_DATABASE_URL's server, else the embedded one; it needs the right to
+create databases. Prints medians over the runs, then the ratios the proxy is held to. Exits
+non-zero when a token is lost or the soak sees an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import asyncpg
+import orjson
+import uvloop
+from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
+
+from proxy.wire import engine_body
+from store.connection import asyncpg_dsn
+from store.embedded import database_url
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_TOKENS = 64
+RUN_ID = "proxy-overhead"
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+#: Requests each worker sends before a measurement: connections open, caches warm.
+WARMUP_PER_WORKER = 2
+MESSAGES = [
+    {"role": "system", "content": "You are a careful coding agent. Answer with a patch."},
+    {"role": "user", "content": "The test in tests/test_io.py fails with a KeyError; fix it."},
+]
+
+#: The engine in its own process. FakeEngine keeps every request it saw, for tests; a benchmark
+#: would grow it by a hundred thousand dicts, so it keeps only the last one here.
+ENGINE_MAIN = """
+import asyncio, collections, sys
+import uvloop
+sys.path.insert(0, sys.argv[1])
+from tests.proxy.fake_engine import FakeEngine
+
+async def main():
+    engine = FakeEngine(instant=True)
+    engine.requests = collections.deque(maxlen=1)
+    engine.requests_headers = collections.deque(maxlen=1)
+    await engine.start(port=int(sys.argv[2]))
+    await asyncio.Event().wait()
+
+uvloop.run(main())
+"""
+
+
+def request_body(stream: bool) -> bytes:
+    """A chat request as an agent sends it: no token ids, logprobs or usage asked for."""
+    return orjson.dumps(
+        {"model": "tiny", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "stream": stream}
+    )
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of the processes and their waited-for children, from /proc/<pid>/stat."""
+    ticks = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            continue  # a backend that ended since we listed it
+        fields = stat.rpartition(")")[2].split()  # the name may hold spaces; fields from 3 on
+        ticks += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / CLOCK_TICKS
+
+
+@dataclass
+class Server:
+    """A process the benchmark started, and where it listens."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Servers:
+    """Starts the servers; `stop()` ends every one of them, whatever happened."""
+
+    def __init__(self) -> None:
+        self.started: list[Server] = []
+        self.logs = tempfile.TemporaryDirectory(prefix="proxy-overhead-")
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Server:
+        port = free_port()
+        argv = [a.replace("{port}", str(port)) for a in argv]
+        log = Path(self.logs.name) / f"{name}.log"
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        server = Server(name, process, f"http://127.0.0.1:{port}", log)
+        self.started.append(server)
+        return server
+
+    async def wait_ready(self, server: Server, http: aiohttp.ClientSession, path: str) -> None:
+        """Until `path` answers 200; fail with the server's log if it exits or takes 60 s."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if server.process.poll() is not None:
+                break
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with http.get(server.url + path) as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"{server.name} did not come up; its log:\n{server.log_tail()}")
+
+    def stop(self) -> None:
+        for server in reversed(self.started):  # the proxies before the engine they drain into
+            if server.process.poll() is None:
+                server.process.send_signal(signal.SIGTERM)
+        for server in self.started:
+            try:
+                server.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                server.process.kill()
+                server.process.wait()
+        self.logs.cleanup()
+
+
+# -- load ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Route:
+    """Where one worker sends its requests, and as whom."""
+
+    url: str
+    headers: dict[str, str]
+
+
+@dataclass
+class Target:
+    """One way to reach the engine: direct, through the floor, or through trajstore."""
+
+    name: str
+    routes: list[Route]  # worker i uses routes[i % len(routes)]
+    pids: list[int]  # the server processes whose CPU time is charged to it
+    server: Server | None = None
+    received_tokens: int = 0  # completion tokens its clients were given, all measurements
+
+    def route(self, worker: int) -> Route:
+        return self.routes[worker % len(self.routes)]
+
+
+class RequestFailed(Exception):
+    """A request that did not end in a complete answer."""
+
+
+@dataclass
+class Tally:
+    """What the workers of one measurement saw."""
+
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    tokens: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+async def one_request(
+    http: aiohttp.ClientSession, route: Route, stream: bool, body: bytes, tally: Tally
+) -> None:
+    """Send one chat completion, read the whole answer, and tally latency, TTFT and tokens."""
+    started = time.perf_counter()
+    ttft: float | None = None
+    tokens = 0
+    try:
+        async with http.post(route.url, data=body, headers=route.headers) as resp:
+            if resp.status != 200:
+                await resp.read()
+                raise RequestFailed(f"HTTP {resp.status}")
+            if not stream:
+                tokens = orjson.loads(await resp.read())["usage"]["completion_tokens"]
+            else:
+                done = False
+                async for line in resp.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        done = True
+                        continue
+                    chunk = orjson.loads(data)
+                    if "error" in chunk:
+                        raise RequestFailed("error in stream")
+                    if any((c.get("delta") or {}).get("content") for c in chunk["choices"]):
+                        tokens += 1
+                        if ttft is None:
+                            ttft = time.perf_counter() - started
+                if not done:
+                    raise RequestFailed("stream ended before [DONE]")
+    except (RequestFailed, aiohttp.ClientError, TimeoutError) as exc:
+        tally.errors[f"{type(exc).__name__}: {exc}"[:120]] += 1
+        return
+    tally.latencies.append(time.perf_counter() - started)
+    if ttft is not None:
+        tally.ttfts.append(ttft)
+    tally.tokens += tokens
+
+
+@dataclass
+class Sample:
+    """One measurement of one target at one mode and concurrency."""
+
+    requests: int
+    errors: int
+    seconds: float
+    latencies: list[float]
+    ttfts: list[float]
+    cpu: dict[str, float]  # CPU seconds spent during the measurement, by process group
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def new_client() -> aiohttp.ClientSession:
+    """A client with as many connections as there are workers."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)
+    )
+
+
+class Load:
+    """Closed-loop load from this process, with the CPU time of everyone involved."""
+
+    def __init__(self, http: aiohttp.ClientSession, engine_pid: int, db: DbBackends | None):
+        self.http = http
+        self.engine_pid = engine_pid
+        self.db = db
+
+    async def measure(
+        self, target: Target, stream: bool, concurrency: int, seconds: float
+    ) -> Sample:
+        # A client of its own: a connection left idle by the previous measurement may be closed
+        # by the server (uvicorn's keep-alive is 5 s) just as it is reused, failing the request.
+        async with new_client() as http:
+            return await self._measure(http, target, stream, concurrency, seconds)
+
+    async def _measure(
+        self,
+        http: aiohttp.ClientSession,
+        target: Target,
+        stream: bool,
+        concurrency: int,
+        seconds: float,
+    ) -> Sample:
+        body = request_body(stream)
+        warm = Tally()
+        await asyncio.gather(
+            *(
+                one_request(http, target.route(w), stream, body, warm)
+                for w in range(concurrency)
+                for _ in range(WARMUP_PER_WORKER)
+            )
+        )
+        await self._drain(target)
+        tally = Tally()
+        before = await self._cpu(target)
+        started = time.perf_counter()
+        deadline = started + seconds
+
+        async def worker(w: int) -> None:
+            route = target.route(w)
+            while time.perf_counter() < deadline:
+                await one_request(http, route, stream, body, tally)
+
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        elapsed = time.perf_counter() - started
+        await self._drain(target)  # the recording the requests caused is part of their cost
+        after = await self._cpu(target)
+        target.received_tokens += warm.tokens + tally.tokens
+        errors = tally.errors + warm.errors
+        for kind, count in errors.items():
+            print(f"  {target.name} {concurrency=} stream={stream}: {count} x {kind}")
+        return Sample(
+            requests=len(tally.latencies),
+            errors=sum(errors.values()),
+            seconds=elapsed,
+            latencies=tally.latencies,
+            ttfts=tally.ttfts,
+            cpu={k: after[k] - before[k] for k in before},
+        )
+
+    async def _cpu(self, target: Target) -> dict[str, float]:
+        times = os.times()
+        cpu = {
+            "target": cpu_seconds(target.pids),
+            "engine": cpu_seconds([self.engine_pid]),
+            "client": times.user + times.system,
+        }
+        if target.name == "trajstore" and self.db is not None:
+            cpu["db"] = cpu_seconds(await self.db.pids())
+        return cpu
+
+    async def _drain(self, target: Target) -> None:
+        """Wait until trajstore's writer has stored everything it was given."""
+        if target.name != "trajstore" or target.server is None:
+            return
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            async with self.http.get(target.server.url + "/health") as resp:
+                if (await resp.json())["writer_pending"] == 0:
+                    return
+            await asyncio.sleep(0.02)
+        raise RuntimeError("trajstore's writer did not drain within 60 s")
+
+
+class DbBackends:
+    """The PostgreSQL backends serving one database (the proxy's pool), for their CPU time."""
+
+    def __init__(self, conn: asyncpg.Connection, database: str) -> None:
+        self.conn = conn
+        self.database = database
+
+    async def pids(self) -> list[int]:
+        rows = await self.conn.fetch(
+            "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+            self.database,
+        )
+        return [row["pid"] for row in rows]
+
+    async def stored_tokens(self) -> int:
+        tokens: int = await self.conn.fetchval(
+            "SELECT coalesce(sum(length(token_ids) / 4), 0)::bigint FROM events "
+            "WHERE event_type = 'completion_chunk'"
+        )
+        return tokens
+
+
+# -- trajstore sessions -------------------------------------------------------------------------
+
+
+async def create_sessions(
+    http: aiohttp.ClientSession, proxy_url: str, ids: list[str]
+) -> list[Route]:
+    """Create the sessions (32 at a time); the route of each is its own base URL and key."""
+    limit = asyncio.Semaphore(32)
+
+    async def create(session_id: str) -> Route:
+        async with limit:
+            body = {"run_id": RUN_ID, "session_id": session_id}
+            async with http.post(proxy_url + "/sessions", json=body) as resp:
+                if resp.status != 201:
+                    raise RuntimeError(f"POST /sessions: {resp.status} {await resp.text()}")
+                created = await resp.json()
+        headers = {"Authorization": f"Bearer {created['api_key']}"}
+        return Route(created["base_url"] + "/chat/completions", headers)
+
+    return list(await asyncio.gather(*(create(i) for i in ids)))
+
+
+async def finish_sessions(http: aiohttp.ClientSession, routes: list[Route]) -> None:
+    """Finish every session (32 at a time): each makes its events durable first."""
+    limit = asyncio.Semaphore(32)
+
+    async def finish(route: Route) -> None:
+        url = route.url.removesuffix("/v1/chat/completions") + "/finish"
+        async with limit, http.post(url, json={"status": "completed"}, headers=route.headers) as r:
+            if r.status != 200:
+                raise RuntimeError(f"finish: {r.status} {await r.text()}")
+
+    await asyncio.gather(*(finish(route) for route in routes))
+
+
+async def reconcile(target: Target, db: DbBackends, what: str) -> bool:
+    stored = await db.stored_tokens()
+    received = target.received_tokens
+    verdict = "ok" if stored == received else "MISMATCH"
+    print(f"reconciliation ({what}): received {received} tokens, stored {stored} tokens: {verdict}")
+    return stored == received
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """Medians over the runs of one (target, mode, concurrency)."""
+
+    rps: float
+    p50: float
+    p99: float
+    ttft: float
+    cpu: dict[str, float]  # ms per request
+    errors: int
+
+
+def summarise(samples: list[Sample]) -> Row:
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+
+    def per_request(key: str) -> float:
+        return med([1000 * s.cpu[key] / max(s.requests, 1) for s in samples])
+
+    return Row(
+        rps=med([s.requests / s.seconds for s in samples]),
+        p50=med([1000 * percentile(s.latencies, 0.5) for s in samples]),
+        p99=med([1000 * percentile(s.latencies, 0.99) for s in samples]),
+        ttft=med([1000 * percentile(s.ttfts, 0.5) for s in samples]),
+        cpu={key: per_request(key) for key in samples[0].cpu},
+        errors=sum(s.errors for s in samples),
+    )
+
+
+def fmt(value: float | None, spec: str = "8.2f") -> str:
+    width = int(spec.split(".")[0])
+    if value is None or value != value:  # None or NaN
+        return "n/a".rjust(width)
+    return format(value, spec)
+
+
+def print_table(rows: dict[tuple[str, str, int], Row]) -> None:
+    print(
+        f"{'target':<10} {'mode':<10} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'+p50 ms':>8} {'ttft ms':>8} {'cpu/req':>8} {'db/req':>8} {'eng/req':>8} "
+        f"{'cli/req':>8} {'errors':>6}"
+    )
+    for (name, mode, conc), row in rows.items():
+        direct = rows[("direct", mode, conc)]
+        print(
+            f"{name:<10} {mode:<10} {conc:>4} {row.rps:8.0f} {row.p50:8.2f} {row.p99:8.2f} "
+            f"{fmt(None if name == 'direct' else row.p50 - direct.p50)} "
+            f"{fmt(row.ttft if mode == 'stream' else None)} "
+            f"{fmt(None if name == 'direct' else row.cpu['target'], '8.3f')} "
+            f"{fmt(row.cpu.get('db'), '8.3f')} {row.cpu['engine']:8.3f} "
+            f"{row.cpu['client']:8.3f} {row.errors:6d}"
+        )
+    print(
+        "(+p50: p50 minus direct's; cpu/req: the target server's CPU ms per request; db/req: "
+        "trajstore's PostgreSQL backends'; eng/req: the engine's; cli/req: the load generator's)"
+    )
+
+
+def print_ratios(rows: dict[tuple[str, str, int], Row], levels: list[int]) -> None:
+    print("\ntrajstore CPU/request ÷ floor CPU/request (target ≤ 2×; with its db backends):")
+    for mode in ("non-stream", "stream"):
+        parts = []
+        for conc in levels:
+            ours, floor = rows[("trajstore", mode, conc)].cpu, rows[("floor", mode, conc)].cpu
+            ratio = ours["target"] / floor["target"]
+            with_db = (ours["target"] + ours.get("db", 0.0)) / floor["target"]
+            parts.append(f"c={conc} {ratio:.2f}× ({with_db:.2f}×)")
+        print(f"  {mode:<10} " + "   ".join(parts))
+    print("trajstore added p50 vs direct at concurrency 1 (target ≤ 1 ms):")
+    for mode in ("non-stream", "stream"):
+        direct, floor = rows[("direct", mode, 1)], rows[("floor", mode, 1)]
+        ours = rows[("trajstore", mode, 1)]
+        print(
+            f"  {mode:<10} {ours.p50 - direct.p50:.3f} ms "
+            f"(floor {floor.p50 - direct.p50:.3f} ms; trajstore over floor "
+            f"{ours.p50 - floor.p50:.3f} ms)"
+        )
+    top = max(levels)
+    print(f"trajstore p99 ÷ floor p99 at concurrency {top} (target ≤ 1.5×):")
+    for mode in ("non-stream", "stream"):
+        ours, floor = rows[("trajstore", mode, top)], rows[("floor", mode, top)]
+        print(f"  {mode:<10} {ours.p99 / floor.p99:.2f}× ({ours.p99:.1f} / {floor.p99:.1f} ms)")
+
+
+async def answer_sizes(http: aiohttp.ClientSession, engine_url: str) -> str:
+    """The engine's answer bytes as an agent asks, and as trajstore asks (ids and logprobs)."""
+    sizes = []
+    for stream in (False, True):
+        plain = orjson.loads(request_body(stream))
+        for body in (plain, engine_body("chat", plain)):
+            async with http.post(engine_url + "/v1/chat/completions", json=body) as resp:
+                sizes.append(len(await resp.read()))
+    return (
+        f"engine answer bytes, as the agent asks / as trajstore asks: non-stream "
+        f"{sizes[0]} / {sizes[1]}, stream {sizes[2]} / {sizes[3]}"
+    )
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What to measure, from the command line."""
+
+    levels: list[int]
+    seconds: float
+    runs: int
+    soak: int
+
+
+async def soak(http: aiohttp.ClientSession, target: Target, db: DbBackends, n: int) -> bool:
+    """N concurrent streaming sessions through trajstore, one request each; then reconcile."""
+    assert target.server is not None
+    routes = await create_sessions(http, target.server.url, [f"soak-{i}" for i in range(n)])
+    tally = Tally()
+    body = request_body(True)
+    started = time.perf_counter()
+    async with new_client() as client:
+        await asyncio.gather(*(one_request(client, route, True, body, tally) for route in routes))
+    elapsed = time.perf_counter() - started
+    target.received_tokens += tally.tokens
+    await finish_sessions(http, routes)
+    errors = sum(tally.errors.values())
+    print(
+        f"\nsoak: {n} concurrent streaming sessions through trajstore in {elapsed:.2f} s: "
+        f"p50 {1000 * percentile(tally.latencies, 0.5):.0f} ms, "
+        f"p99 {1000 * percentile(tally.latencies, 0.99):.0f} ms, "
+        f"ttft p50 {1000 * percentile(tally.ttfts, 0.5):.0f} ms, errors {errors}"
+        + "".join(f"\n  {count} x {kind}" for kind, count in tally.errors.items())
+    )
+    return await reconcile(target, db, f"after the soak of {n}") and errors == 0
+
+
+async def main(plan: Plan) -> int:
+    url = await asyncio.to_thread(database_url)
+    dbs = Databases(url)
+    servers = Servers()
+    http = new_client()  # for everything but the load itself
+    conn: asyncpg.Connection | None = None
+    try:
+        await dbs.setup()
+        scratch = await dbs.fresh()
+        python = sys.executable
+        engine = servers.start("engine", [python, "-c", ENGINE_MAIN, str(ROOT), "{port}"])
+        await servers.wait_ready(engine, http, "/health")
+        floor = servers.start(
+            "floor",
+            [python, "benchmarks/passthrough.py", "--engine", engine.url, "--port", "{port}"],
+        )
+        env = {**os.environ, "TRAJSTORE_DATABASE_URL": scratch}
+        ours = servers.start(
+            "trajstore",
+            [python, "-m", "store", "proxy", "--engine", engine.url, "--port", "{port}"],
+            env=env,
+        )
+        await servers.wait_ready(floor, http, "/health")  # the engine's, through the floor
+        await servers.wait_ready(ours, http, "/health")
+        conn = await asyncpg.connect(asyncpg_dsn(scratch))
+        db = DbBackends(conn, scratch.partition("?")[0].rpartition("/")[2])
+        print(await answer_sizes(http, engine.url))
+
+        chat = "/v1/chat/completions"
+        routes = await create_sessions(
+            http, ours.url, [f"bench-{i}" for i in range(max(plan.levels))]
+        )  # a session per worker
+        targets = [
+            Target("direct", [Route(engine.url + chat, {})], []),
+            Target("floor", [Route(floor.url + chat, {})], [floor.process.pid], floor),
+            Target("trajstore", routes, [ours.process.pid], ours),
+        ]
+        load = Load(http, engine.process.pid, db)
+        samples: dict[tuple[str, str, int], list[Sample]] = {}
+        for stream in (False, True):
+            mode = "stream" if stream else "non-stream"
+            for conc in plan.levels:
+                for run in range(plan.runs):
+                    # Rotate who goes first, so no target always meets the warmest machine.
+                    shift = run % len(targets)
+                    for target in targets[shift:] + targets[:shift]:
+                        sample = await load.measure(target, stream, conc, plan.seconds)
+                        samples.setdefault((target.name, mode, conc), []).append(sample)
+        rows = {
+            key: summarise(samples[key])
+            for key in sorted(samples, key=lambda k: (k[1] == "stream", k[2], k[0]))
+        }
+        print(f"\nmedians of {plan.runs} run(s) of {plan.seconds:g} s, max_tokens {MAX_TOKENS}")
+        print_table(rows)
+        print_ratios(rows, plan.levels)
+        print()
+        await finish_sessions(http, routes)
+        ok = await reconcile(targets[2], db, "load runs")
+        if plan.soak:
+            ok = await soak(http, targets[2], db, plan.soak) and ok
+        return 0 if ok else 1
+    finally:
+        await http.close()
+        if conn is not None:
+            await conn.close()
+        servers.stop()
+        await dbs.drop_all()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a ~40 s run, for CI")
+    parser.add_argument("--duration", type=float, help="seconds per measurement [4; quick 2]")
+    parser.add_argument("--runs", type=int, help="runs per measurement [2; quick 1]")
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", help="worker counts [1 64 256; quick 1 64]"
+    )
+    parser.add_argument(
+        "--sessions-soak", type=int, help="sessions of the soak, 0: none [1000; quick 200]"
+    )
+    args = parser.parse_args()
+    soak_sessions = args.sessions_soak
+    if soak_sessions is None:
+        soak_sessions = 200 if args.quick else 1000
+    plan = Plan(
+        levels=args.concurrency or ([1, 64] if args.quick else [1, 64, 256]),
+        seconds=args.duration or (2.0 if args.quick else 4.0),
+        runs=args.runs or (1 if args.quick else 2),
+        soak=soak_sessions,
+    )
+    if 1 not in plan.levels:
+        parser.error("the concurrency levels must include 1 (the added-latency figure)")
+    sys.exit(uvloop.run(main(plan)))
