@@ -24,6 +24,9 @@ from sqlalchemy.engine import make_url
 from store import EventStore, migrations
 from store.embedded import EmbeddedPostgres
 
+# The proxy's fixtures (fake engine, a served proxy) are used beyond tests/proxy (the README).
+pytest_plugins = ["tests.proxy.fixtures"]
+
 _db_numbers = itertools.count()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import asyncpg
 
 from store.connection import asyncpg_dsn
+from tests.proxy.fixtures import RunningProxy
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 
@@ -19,8 +21,22 @@ def code_blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
 
 
-def test_the_python_example_runs_and_prints_the_recorded_tokens(database_url: str) -> None:
-    [example] = code_blocks("python")
+async def test_the_proxy_example_records_an_agent(proxy: RunningProxy) -> None:
+    [example, _] = code_blocks("python")
+    example = example.replace("http://127.0.0.1:8400", proxy.url)
+    # In a subprocess that does not block this loop: the proxy serves from it.
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", example,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(child.communicate(), 60)
+    assert child.returncode == 0, err.decode()
+    prompt, completion = out.decode().strip().split("] [")
+    assert len(prompt.strip("[").split(",")) == 8 and completion.strip("]")
+
+
+def test_the_store_example_runs_and_prints_the_recorded_tokens(database_url: str) -> None:
+    [_, example] = code_blocks("python")
     env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url}
     done = subprocess.run(
         [sys.executable, "-c", example], env=env, capture_output=True, text=True, timeout=60

@@ -12,8 +12,8 @@ import pytest
 from store import EventType
 from store.connection import connect
 from tests.conftest import free_port
-from tests.proxy.conftest import ProxyFactory, RunningProxy
 from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fixtures import ProxyFactory, RunningProxy
 from tests.support import eventually
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}

@@ -13,8 +13,8 @@ import orjson
 import pytest
 
 from store import EventType
-from tests.proxy.conftest import RunningProxy
 from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fixtures import RunningProxy
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "add 2 and 3"}], "max_tokens": 8}
 

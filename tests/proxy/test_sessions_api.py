@@ -8,8 +8,8 @@ import openai
 import pytest
 
 from store import EventType
-from tests.proxy.conftest import ProxyFactory, RunningProxy
 from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fixtures import ProxyFactory, RunningProxy
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

@@ -20,8 +20,8 @@ from openai import AsyncOpenAI
 from proxy.tiny_model import build_tiny_model
 from proxy.vllm_server import VllmServer
 from tests.conftest import free_port
-from tests.proxy.conftest import ProxyFactory, RunningProxy
 from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fixtures import ProxyFactory, RunningProxy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
