@@ -37,7 +37,14 @@ from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.engines import EnginePool
-from proxy.errors import NotFound, Overloaded, PayloadTooLarge, ProxyError, Unauthorized
+from proxy.errors import (
+    BadRequest,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    ProxyError,
+    Unauthorized,
+)
 from proxy.forwarding import Forwarder
 from proxy.metrics import ProxyMetrics
 from proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
@@ -156,19 +163,10 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
                 await store.close()
 
     app = FastAPI(title="trajstore proxy", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     _install_error_handlers(app)
     _add_routes(app)
-    wrapped: Any = BodyLimit(app, settings.max_body_bytes)
-    app.build_middleware_stack = _wrap(app.build_middleware_stack, wrapped)  # type: ignore[method-assign]
     return app
-
-
-def _wrap(build: Any, limiter: BodyLimit) -> Any:
-    def build_with_limit() -> ASGIApp:
-        limiter.app = build()
-        return limiter
-
-    return build_with_limit
 
 
 # -- dependencies ------------------------------------------------------------------------------
@@ -193,16 +191,19 @@ def _require_admin(state: ProxyState, authorization: str | None) -> None:
 
 
 def _require_session_key(
-    state: ProxySettings, registry: SessionRegistry, session_id: str, authorization: str | None,
-    *, open_without_admin_key: bool,
+    settings: ProxySettings, registry: SessionRegistry, session_id: str,
+    authorization: str | None, *, open_without_admin_key: bool,
 ) -> None:  # fmt: skip
+    """The session's own key, or the admin key, is needed; session-level calls (reward,
+    finish, ...) are open when the proxy has no admin key, model calls never are."""
     presented = _bearer(authorization)
     if presented is not None and registry.key_matches(session_id, presented):
         return
-    if state.api_key is not None and presented is not None:
-        if hmac.compare_digest(presented, state.api_key):
+    admin_key = settings.api_key
+    if admin_key is not None and presented is not None:
+        if hmac.compare_digest(presented, admin_key):
             return
-    elif state.api_key is None and open_without_admin_key:
+    elif admin_key is None and open_without_admin_key:
         return
     raise Unauthorized(f"use the api_key returned when session {session_id!r} was created")
 
@@ -404,8 +405,6 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(BadEvent)
     async def bad_event(request: Request, exc: BadEvent) -> Response:
-        from proxy.errors import BadRequest
-
         return await proxy_error(request, BadRequest(f"cannot be recorded: {exc}"))
 
 
