@@ -172,7 +172,8 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
 # -- dependencies ------------------------------------------------------------------------------
 
 
-def _state(request: Request) -> ProxyState:
+async def _state(request: Request) -> ProxyState:
+    # async on purpose: FastAPI runs a plain `def` dependency in a thread pool, per request.
     state: ProxyState = request.app.state.proxy
     return state
 

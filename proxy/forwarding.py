@@ -203,31 +203,19 @@ class Forwarder:
         recorder: RequestRecorder,
         asked: Asked,
     ) -> AsyncIterator[bytes]:
-        usage: dict[str, Any] | None = None
-        done = False
+        # Events are relayed as they arrive, but everything that arrived in one read goes to the
+        # agent in one write: per-event writes through the ASGI stack cost more than the relay.
+        relay = _StreamRelay(api, recorder, asked)
+        pending = b""
         try:
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    continue  # blank separators, comments
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    yield b"data: [DONE]\n\n"
+            async for data in resp.content.iter_any():
+                pending += data
+                *events, pending = pending.split(b"\n\n")
+                out = [await relay.event(event) for event in events]
+                if any(out):
+                    yield b"".join(out)
+                if relay.done:
                     break
-                chunk = orjson.loads(data)
-                if "error" in chunk and "choices" not in chunk:
-                    error = chunk["error"] or {}
-                    await recorder.failed("engine_error", str(error.get("message")), None)
-                    yield b"data: " + data + b"\n\n"
-                    continue
-                extracted = extract(api, chunk)
-                await recorder.record(extracted)
-                usage = extracted.usage or usage
-                if not chunk.get("choices") and extracted.usage and not asked.usage:
-                    continue  # the usage chunk the proxy asked for, not the agent
-                if not asked.usage:
-                    chunk.pop("usage", None)
-                yield b"data: " + orjson.dumps(strip(chunk, asked, streaming=True)) + b"\n\n"
         except asyncio.CancelledError:
             await recorder.failed("client_disconnected", "the agent closed the connection")
             self._count(api, 499)
@@ -237,16 +225,15 @@ class Forwarder:
             message = f"the engine stream broke off: {type(exc).__name__}: {exc}"
             await recorder.failed(reason, message)
             self._count(api, 502)
-            yield b"data: " + orjson.dumps(EngineFailed(message).body()) + b"\n\n"
+            yield _sse(EngineFailed(message).body())
             return
-        if done and not recorder.ended:
-            await recorder.finished(usage)
-            self._observe(api, recorder, usage)
-        elif not done:
+        if relay.done and not recorder.ended:
+            await recorder.finished(relay.usage)
+            self._observe(api, recorder, relay.usage)
+        elif not relay.done:
             await recorder.failed("engine_error", "the engine closed the stream before [DONE]")
             self._count(api, 502)
-            error = EngineFailed("the engine closed the stream before it was complete")
-            yield b"data: " + orjson.dumps(error.body()) + b"\n\n"
+            yield _sse(EngineFailed("the engine closed the stream before it was complete").body())
 
     # -- failures and bookkeeping ---------------------------------------------------------------
 
@@ -299,3 +286,45 @@ class Forwarder:
         if usage:
             self.metrics.tokens.labels(kind="prompt").inc(usage.get("prompt_tokens") or 0)
             self.metrics.tokens.labels(kind="completion").inc(usage.get("completion_tokens") or 0)
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+class _StreamRelay:
+    """One stream's events: record what they carry, give back what the agent asked for."""
+
+    def __init__(self, api: Api, recorder: RequestRecorder, asked: Asked) -> None:
+        self.api = api
+        self.recorder = recorder
+        self.asked = asked
+        # When the agent asked for everything the proxy adds, events pass through unchanged.
+        self.verbatim = asked.token_ids and asked.logprobs and asked.usage
+        self.usage: dict[str, Any] | None = None
+        self.done = False
+
+    async def event(self, event: bytes) -> bytes:
+        """The bytes to send the agent for one SSE event (b"" for none)."""
+        data = event.strip()
+        if not data.startswith(b"data:"):
+            return b""  # comments, keep-alives
+        data = data[5:].strip()
+        if data == b"[DONE]":
+            self.done = True
+            return b"data: [DONE]\n\n"
+        chunk = orjson.loads(data)
+        if "error" in chunk and "choices" not in chunk:
+            error = chunk["error"] or {}
+            await self.recorder.failed("engine_error", str(error.get("message")), None)
+            return b"data: " + data + b"\n\n"
+        extracted = extract(self.api, chunk)
+        await self.recorder.record(extracted)
+        self.usage = extracted.usage or self.usage
+        if self.verbatim:
+            return b"data: " + data + b"\n\n"
+        if not chunk.get("choices") and extracted.usage and not self.asked.usage:
+            return b""  # the usage chunk the proxy asked for, not the agent
+        if not self.asked.usage:
+            chunk.pop("usage", None)
+        return _sse(strip(chunk, self.asked, streaming=True))

@@ -10,6 +10,7 @@ event carries its session id, so `read_session` needs no knowledge of the stream
 
 from __future__ import annotations
 
+import random
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,12 @@ class ExpectedVersion(IntEnum):
 
     ANY = -1  #: append at the end of the stream, whatever its version
     NO_STREAM = 0  #: the stream must not exist yet
+
+
+def new_event_id() -> uuid.UUID:
+    """A random (version 4) UUID, from the `random` module: as unique as `uuid.uuid4()` for our
+    purpose and several times cheaper (no system call per event); `random` reseeds after fork."""
+    return uuid.UUID(int=random.getrandbits(128), version=4)
 
 
 def request_stream(request_id: str) -> str:
@@ -128,7 +135,7 @@ class NewEvent:
     payload: Mapping[str, Any] = field(default_factory=dict)
     token_ids: TokenIdsLike | None = None
     logprobs: LogprobsLike | None = None
-    event_id: uuid.UUID = field(default_factory=uuid.uuid4)
+    event_id: uuid.UUID = field(default_factory=new_event_id)
     # Encoded forms, filled in by __post_init__; these are what goes over the wire.
     payload_json: bytes = field(init=False, repr=False, compare=False)
     token_bytes: bytes | None = field(init=False, repr=False, compare=False)

@@ -7,8 +7,10 @@ than `int4[]`/`float4[]`, and about 7x smaller than one row per token.
 
 from __future__ import annotations
 
+import array
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +29,8 @@ LogprobsLike = Sequence[float] | npt.NDArray[np.floating]
 
 def encode_token_ids(token_ids: TokenIdsLike) -> bytes:
     """Pack token ids (non-negative integers below 2**31) as little-endian int32 bytes."""
+    if isinstance(token_ids, list):
+        return _pack_list(token_ids, "i", "token_ids must be integers")
     array = np.asarray(token_ids)
     if array.ndim != 1:
         raise BadEvent(f"token_ids must be one-dimensional, got shape {array.shape}")
@@ -42,6 +46,8 @@ def encode_token_ids(token_ids: TokenIdsLike) -> bytes:
 
 def encode_logprobs(logprobs: LogprobsLike) -> bytes:
     """Pack logprobs as little-endian float32 bytes; -inf (an impossible token) is kept."""
+    if isinstance(logprobs, list):
+        return _pack_list(logprobs, "f", "logprobs must be floats")
     array = np.asarray(logprobs)
     if array.ndim != 1:
         raise BadEvent(f"logprobs must be one-dimensional, got shape {array.shape}")
@@ -54,6 +60,24 @@ def encode_logprobs(logprobs: LogprobsLike) -> bytes:
 
 # On a little-endian host (nearly all) the stored bytes are already native: decoding is a view.
 _NATIVE = sys.byteorder == "little"
+
+
+def _pack_list(values: list[Any], typecode: str, message: str) -> bytes:
+    """The fast path for Python lists (what the proxy records): the array module, no numpy.
+
+    array('i') refuses floats, text and ids above 2**31 - 1 by itself; negatives are checked.
+    """
+    try:
+        packed = array.array(typecode, values)
+    except OverflowError:
+        raise BadEvent(f"token ids must lie in [0, {MAX_TOKEN_ID}]") from None
+    except TypeError:
+        raise BadEvent(message) from None
+    if typecode == "i" and values and min(packed) < 0:
+        raise BadEvent(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+    if not _NATIVE:
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def decode_token_ids(data: bytes | None) -> TokenIds | None:

@@ -46,7 +46,8 @@ def test_encoding_is_little_endian_whatever_the_input_order() -> None:
         ([-1], "must lie in"),
         ([1.0, 2.0], "must be integers"),
         (["1"], "must be integers"),
-        ([[1, 2]], "one-dimensional"),
+        ([[1, 2]], "must be integers"),
+        (np.array([[1, 2]]), "one-dimensional"),
     ],
 )
 def test_bad_token_ids_are_refused_with_a_reason(ids: list[object], message: str) -> None:
