@@ -4,21 +4,19 @@
     GET  /sessions/{id}                             the session as recorded
     POST /sessions/{id}/reward | finish | discard
     POST /sessions/{id}/v1/chat/completions         OpenAI-compatible, per session base URL
-    POST /sessions/{id}/v1/completions
+    POST /sessions/{id}/v1/completions              (these and the X-Session-Id variants under
+    POST /v1/chat/completions, /v1/completions       /v1 are served by `proxy.model_calls`)
     GET  /sessions/{id}/v1/models
-    POST /v1/chat/completions, /v1/completions      the same, session named by X-Session-Id
     GET  /health, /metrics
     GET  /admin/engines, POST /admin/engines/policy-version
 
-The model-call routes read the raw body and hand it to the `Forwarder` as bytes: validating a
-long chat history with pydantic on every turn would cost more than the whole relay.
+The model-call routes bypass FastAPI (see `proxy.model_calls`): they are the hot path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import secrets
@@ -36,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from proxy.auth import admin_key_is_valid, session_key_is_valid
 from proxy.engines import EnginePool
 from proxy.errors import (
     BadRequest,
@@ -47,6 +46,7 @@ from proxy.errors import (
 )
 from proxy.forwarding import Forwarder
 from proxy.metrics import ProxyMetrics
+from proxy.model_calls import ModelCalls, send_error
 from proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
 from proxy.settings import ProxySettings
 from store import BadEvent, EventStore, StoreUnavailable, WriteFailed, WriterBackpressure
@@ -81,7 +81,7 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _send_error(send, PayloadTooLarge(self._message(int(declared))))
+            await send_error(send, PayloadTooLarge(self._message(int(declared))))
             return
         seen = 0
 
@@ -97,20 +97,6 @@ class BodyLimit:
 
     def _message(self, size: int) -> str:
         return f"the request body is {size} bytes; the limit is {self.max_bytes} bytes"
-
-
-async def _send_error(send: Send, error: ProxyError) -> None:
-    body = orjson.dumps(error.body())
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers().items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-def _bearer(authorization: str | None) -> str | None:
-    if authorization and authorization.lower().startswith("bearer "):
-        return authorization[7:].strip()
-    return None
 
 
 def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
@@ -164,6 +150,7 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
 
     app = FastAPI(title="trajstore proxy", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(ModelCalls, max_body_bytes=settings.max_body_bytes)  # outermost
     _install_error_handlers(app)
     _add_routes(app)
     return app
@@ -183,30 +170,18 @@ Authorization = Annotated[str | None, Header()]
 
 
 def _require_admin(state: ProxyState, authorization: str | None) -> None:
-    expected = state.settings.api_key
-    if expected is None:
-        return
-    presented = _bearer(authorization) or ""
-    if not hmac.compare_digest(presented, expected):
+    if not admin_key_is_valid(state.settings.api_key, authorization):
         raise Unauthorized("this call needs the proxy's API key (TRAJSTORE_API_KEY) as Bearer")
 
 
 def _require_session_key(
-    settings: ProxySettings, registry: SessionRegistry, session_id: str,
-    authorization: str | None, *, open_without_admin_key: bool,
-) -> None:  # fmt: skip
-    """The session's own key, or the admin key, is needed; session-level calls (reward,
-    finish, ...) are open when the proxy has no admin key, model calls never are."""
-    presented = _bearer(authorization)
-    if presented is not None and registry.key_matches(session_id, presented):
-        return
-    admin_key = settings.api_key
-    if admin_key is not None and presented is not None:
-        if hmac.compare_digest(presented, admin_key):
-            return
-    elif admin_key is None and open_without_admin_key:
-        return
-    raise Unauthorized(f"use the api_key returned when session {session_id!r} was created")
+    state: ProxyState, session_id: str, authorization: str | None, *, model_call: bool = False
+) -> None:
+    if not session_key_is_valid(
+        state.registry, state.settings.api_key, session_id, authorization,
+        open_without_admin_key=not model_call,
+    ):  # fmt: skip
+        raise Unauthorized(f"use the api_key returned when session {session_id!r} was created")
 
 
 # -- routes ------------------------------------------------------------------------------------
@@ -249,9 +224,7 @@ def _add_routes(app: FastAPI) -> None:
     async def get_session(
         session_id: str, state: State, authorization: Authorization = None
     ) -> Response:
-        _require_session_key(
-            state.settings, state.registry, session_id, authorization, open_without_admin_key=True
-        )
+        _require_session_key(state, session_id, authorization)
         await state.registry.get(session_id)
         await state.registry.writer.flush()  # show what this replica recorded so far
         events = await state.store.read_session(session_id)
@@ -264,9 +237,7 @@ def _add_routes(app: FastAPI) -> None:
     async def reward(
         session_id: str, body: Reward, state: State, authorization: Authorization = None
     ) -> dict[str, Any]:
-        _require_session_key(
-            state.settings, state.registry, session_id, authorization, open_without_admin_key=True
-        )
+        _require_session_key(state, session_id, authorization)
         await state.registry.reward(session_id, body)
         return {"session_id": session_id, "reward": body.value}
 
@@ -274,9 +245,7 @@ def _add_routes(app: FastAPI) -> None:
     async def finish(
         session_id: str, body: Finish, state: State, authorization: Authorization = None
     ) -> dict[str, Any]:
-        _require_session_key(
-            state.settings, state.registry, session_id, authorization, open_without_admin_key=True
-        )
+        _require_session_key(state, session_id, authorization)
         session = await state.registry.finish(session_id, body)
         return {"session_id": session_id, "status": session.status}
 
@@ -284,50 +253,9 @@ def _add_routes(app: FastAPI) -> None:
     async def discard(
         session_id: str, body: Discard, state: State, authorization: Authorization = None
     ) -> dict[str, Any]:
-        _require_session_key(
-            state.settings, state.registry, session_id, authorization, open_without_admin_key=True
-        )
+        _require_session_key(state, session_id, authorization)
         await state.registry.discard(session_id, body)
         return {"session_id": session_id, "discarded": body.reason}
-
-    async def model_call(
-        api: str, session_id: str | None, request: Request, state: ProxyState
-    ) -> Response:
-        if not session_id:
-            raise NotFound(
-                "no session: use the base_url returned by POST /sessions, "
-                "or send the X-Session-Id header"
-            )
-        _require_session_key(
-            state.settings, state.registry, session_id, request.headers.get("authorization"),
-            open_without_admin_key=False,
-        )  # fmt: skip
-        session = await state.registry.ready_for_requests(session_id)
-        passed_on = {
-            k: v for k, v in request.headers.items() if k.startswith("x-") and k != "x-session-id"
-        }
-        raw = await request.body()
-        return await state.forwarder.handle(api, session, raw, passed_on)  # type: ignore[arg-type]
-
-    @app.post("/sessions/{session_id}/v1/chat/completions")
-    async def chat(session_id: str, request: Request, state: State) -> Response:
-        return await model_call("chat", session_id, request, state)
-
-    @app.post("/sessions/{session_id}/v1/completions")
-    async def completions(session_id: str, request: Request, state: State) -> Response:
-        return await model_call("completions", session_id, request, state)
-
-    @app.post("/v1/chat/completions")
-    async def chat_by_header(
-        request: Request, state: State, x_session_id: Annotated[str | None, Header()] = None
-    ) -> Response:
-        return await model_call("chat", x_session_id, request, state)
-
-    @app.post("/v1/completions")
-    async def completions_by_header(
-        request: Request, state: State, x_session_id: Annotated[str | None, Header()] = None
-    ) -> Response:
-        return await model_call("completions", x_session_id, request, state)
 
     async def models(state: ProxyState) -> Response:
         engine = next((e for e in state.engines.engines if e.healthy), state.engines.engines[0])
@@ -342,9 +270,7 @@ def _add_routes(app: FastAPI) -> None:
     async def session_models(
         session_id: str, state: State, authorization: Authorization = None
     ) -> Response:
-        _require_session_key(
-            state.settings, state.registry, session_id, authorization, open_without_admin_key=False
-        )
+        _require_session_key(state, session_id, authorization, model_call=True)
         return await models(state)
 
     @app.get("/v1/models")

@@ -1,0 +1,135 @@
+"""The model-call routes, served straight from ASGI in front of the FastAPI app.
+
+    POST /sessions/{id}/v1/chat/completions     POST /v1/chat/completions   (X-Session-Id)
+    POST /sessions/{id}/v1/completions          POST /v1/completions        (X-Session-Id)
+
+These are the proxy's hot path: every turn of every agent comes through here, and a stream sends
+dozens of writes. Measured here, FastAPI's routing, dependency injection and middleware layers
+(each wrapping every write) cost about as much CPU as the relay itself, so these four routes
+bypass them: the body is read with its limit, the caller's key checked, and the `Forwarder`'s
+response sent as-is. Everything else (sessions, admin, metrics) stays in FastAPI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from proxy.auth import session_key_is_valid
+from proxy.errors import (
+    BadRequest,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    ProxyError,
+    Unauthorized,
+)
+from proxy.wire import Api
+from store import BadEvent, StoreUnavailable, WriteFailed, WriterBackpressure
+
+_APIS: dict[str, Api] = {"chat/completions": "chat", "completions": "completions"}
+
+
+def match(path: str) -> tuple[Api, str | None] | None:
+    """(api, session id from the path or None) for a model-call path, else None."""
+    if path.startswith("/v1/"):
+        api = _APIS.get(path[4:])
+        return None if api is None else (api, None)
+    if path.startswith("/sessions/"):
+        session_id, _, rest = path[10:].partition("/v1/")
+        api = _APIS.get(rest)
+        if api is not None and session_id and "/" not in session_id:
+            return api, session_id
+    return None
+
+
+class ModelCalls:
+    """ASGI middleware answering the model-call routes itself; the rest goes to `app`."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            route = match(scope["path"])
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        api, session_id = route
+        try:
+            response = await self._respond(scope, receive, api, session_id)
+        except ProxyError as exc:
+            await send_error(send, exc)
+            return
+        except WriterBackpressure as exc:
+            await send_error(send, Overloaded(str(exc), retry_after=exc.retry_after))
+            return
+        except StoreUnavailable as exc:
+            await send_error(send, Overloaded(f"the store is unavailable: {exc}"))
+            return
+        except WriteFailed as exc:
+            await send_error(send, ProxyError(f"events could not be stored: {exc}"))
+            return
+        except BadEvent as exc:
+            await send_error(send, BadRequest(f"cannot be recorded: {exc}"))
+            return
+        await response(scope, receive, send)
+
+    async def _respond(
+        self, scope: Scope, receive: Receive, api: Api, session_id: str | None
+    ) -> Any:
+        state = scope["app"].state.proxy  # Starlette puts its app in the scope
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        session_id = session_id or headers.get("x-session-id")
+        if not session_id:
+            raise NotFound(
+                "no session: use the base_url returned by POST /sessions, "
+                "or send the X-Session-Id header"
+            )
+        self._check_key(state, session_id, headers.get("authorization"))
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise PayloadTooLarge(self._too_large(int(declared)))
+        body = await self._read_body(receive)
+        session = await state.registry.ready_for_requests(session_id)
+        passed_on = {k: v for k, v in headers.items() if k.startswith("x-") and k != "x-session-id"}
+        return await state.forwarder.handle(api, session, body, passed_on)
+
+    @staticmethod
+    def _check_key(state: Any, session_id: str, authorization: str | None) -> None:
+        if not session_key_is_valid(
+            state.registry, state.settings.api_key, session_id, authorization,
+            open_without_admin_key=False,
+        ):  # fmt: skip
+            raise Unauthorized(f"use the api_key returned when session {session_id!r} was created")
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise BadRequest("the client went away before sending its body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise PayloadTooLarge(self._too_large(size))
+            parts.append(chunk)
+            if not message.get("more_body"):
+                return b"".join(parts)
+
+    def _too_large(self, size: int) -> str:
+        return f"the request body is {size} bytes; the limit is {self.max_body_bytes} bytes"
+
+
+async def send_error(send: Send, error: ProxyError) -> None:
+    """Answer with an error in OpenAI's shape, straight over ASGI."""
+    body = orjson.dumps(error.body())
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers().items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
