@@ -150,7 +150,7 @@ class Forwarder:
             self._count(api, 502)
             raise EngineFailed("the engine answered invalid JSON") from None
         extracted = extract(api, data)
-        await recorder.record(extracted)
+        recorder.record(extracted)
         await recorder.finished(extracted.usage)
         self._observe(api, recorder, extracted.usage)
         return Response(orjson.dumps(strip(data, asked, streaming=False)), media_type=_JSON)
@@ -211,9 +211,13 @@ class Forwarder:
             async for data in resp.content.iter_any():
                 pending += data
                 *events, pending = pending.split(b"\n\n")
-                out = [await relay.event(event) for event in events]
-                if any(out):
-                    yield b"".join(out)
+                out = b"".join([relay.event(event) for event in events])
+                await recorder.drain()
+                if relay.engine_error is not None:
+                    await recorder.failed("engine_error", relay.engine_error)
+                    relay.engine_error = None
+                if out:
+                    yield out
                 if relay.done:
                     break
         except asyncio.CancelledError:
@@ -303,8 +307,9 @@ class _StreamRelay:
         self.verbatim = asked.token_ids and asked.logprobs and asked.usage
         self.usage: dict[str, Any] | None = None
         self.done = False
+        self.engine_error: str | None = None  # an error event the engine sent mid-stream
 
-    async def event(self, event: bytes) -> bytes:
+    def event(self, event: bytes) -> bytes:
         """The bytes to send the agent for one SSE event (b"" for none)."""
         data = event.strip()
         if not data.startswith(b"data:"):
@@ -315,11 +320,10 @@ class _StreamRelay:
             return b"data: [DONE]\n\n"
         chunk = orjson.loads(data)
         if "error" in chunk and "choices" not in chunk:
-            error = chunk["error"] or {}
-            await self.recorder.failed("engine_error", str(error.get("message")), None)
+            self.engine_error = str((chunk["error"] or {}).get("message"))
             return b"data: " + data + b"\n\n"
         extracted = extract(self.api, chunk)
-        await self.recorder.record(extracted)
+        self.recorder.record(extracted)
         self.usage = extracted.usage or self.usage
         if self.verbatim:
             return b"data: " + data + b"\n\n"

@@ -65,6 +65,7 @@ class RequestRecorder:
         self.prompt_recorded = False
         self.tokens_recorded = 0
         self._choices: dict[int, _ChoiceBuffer] = {}
+        self._outbox: list[NewEvent] = []
 
     def received_event(
         self,
@@ -98,23 +99,35 @@ class RequestRecorder:
         self.version += 1
         await self.writer.put(self.stream_id, self.version, event)
 
-    async def record(self, extracted: Extracted) -> None:
-        """Take what an answer or a stream chunk carries; write chunks as they fill up."""
+    def record(self, extracted: Extracted) -> None:
+        """Take what an answer or a stream chunk carries; full chunks wait in the outbox.
+
+        Synchronous, so that a stream pays for one `drain()` per read, not one await per event.
+        """
         if extracted.prompt_token_ids is not None and not self.prompt_recorded:
             self.prompt_recorded = True
             event = self._event(
                 EventType.PROMPT_TOKENS, {"choice": None}, token_ids=extracted.prompt_token_ids
             )
-            await self.emit(event)
+            self._outbox.append(event)
         for choice in extracted.choices:
-            buffer = self._choices.setdefault(choice.index, _ChoiceBuffer())
+            buffer = self._choices.get(choice.index)
+            if buffer is None:
+                buffer = self._choices[choice.index] = _ChoiceBuffer()
             self._take(buffer, choice)
             if len(buffer.token_ids) >= self.chunk_tokens:
-                await self._write_chunk(choice.index, buffer)
+                self._chunk(choice.index, buffer)
+
+    async def drain(self) -> None:
+        """Queue the events `record()` made ready."""
+        outbox, self._outbox = self._outbox, []
+        for event in outbox:
+            await self.emit(event)
 
     async def finished(self, usage: dict[str, Any] | None) -> None:
         """Write what is buffered and the completion_finished event."""
-        await self._write_all_chunks()
+        self._all_chunks()
+        await self.drain()
         choices = []
         for index in sorted(self._choices):
             buffer = self._choices[index]
@@ -141,7 +154,8 @@ class RequestRecorder:
         """Write what is buffered (partial tokens are kept) and the request_failed event."""
         if self.ended:
             return
-        await self._write_all_chunks()
+        self._all_chunks()
+        await self.drain()
         payload = {
             "reason": reason,
             "status": status,
@@ -216,7 +230,7 @@ class RequestRecorder:
             message["tool_calls"] = [buffer.tool_calls[i] for i in sorted(buffer.tool_calls)]
         return message
 
-    async def _write_chunk(self, index: int, buffer: _ChoiceBuffer) -> None:
+    def _chunk(self, index: int, buffer: _ChoiceBuffer) -> None:
         if not buffer.token_ids:
             return
         logprobs = buffer.logprobs if buffer.logprobs_complete else None
@@ -229,8 +243,8 @@ class RequestRecorder:
         self.tokens_recorded += len(buffer.token_ids)
         buffer.token_ids, buffer.logprobs, buffer.text = [], [], []
         buffer.logprobs_complete = True
-        await self.emit(event)
+        self._outbox.append(event)
 
-    async def _write_all_chunks(self) -> None:
+    def _all_chunks(self) -> None:
         for index in sorted(self._choices):
-            await self._write_chunk(index, self._choices[index])
+            self._chunk(index, self._choices[index])
