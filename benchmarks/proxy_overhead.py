@@ -209,7 +209,8 @@ async def one_request(
     ttft: float | None = None
     tokens = 0
     try:
-        async with http.post(route.url, data=body, headers=route.headers) as resp:
+        headers = {"Content-Type": "application/json", **route.headers}
+        async with http.post(route.url, data=body, headers=headers) as resp:
             if resp.status != 200:
                 await resp.read()
                 raise RequestFailed(f"HTTP {resp.status}")
@@ -505,6 +506,31 @@ def print_ratios(rows: dict[tuple[str, str, int], Row], levels: list[int]) -> No
         print(f"  {mode:<10} {ours.p99 / floor.p99:.2f}× ({ours.p99:.1f} / {floor.p99:.1f} ms)")
 
 
+def print_throughput(rows: dict[tuple[str, str, int], Row], levels: list[int]) -> None:
+    print("\nagainst the real engine, trajstore req/s ÷ direct req/s (target ≥ 0.95×):")
+    for mode in ("non-stream", "stream"):
+        parts = []
+        for conc in levels:
+            ours, direct = rows[("trajstore", mode, conc)], rows[("direct", mode, conc)]
+            parts.append(f"c={conc} {ours.rps / direct.rps:.2f}×")
+        print(f"  {mode:<10} " + "   ".join(parts))
+
+
+def start_vllm(servers: Servers) -> Server:
+    """A real vLLM (CPU build) on the generated tiny model, owned by `servers`."""
+    from proxy.tiny_model import build_tiny_model
+    from proxy.vllm_server import VllmServer
+
+    model = build_tiny_model(Path(servers.logs.name) / "model")
+    log = Path(servers.logs.name) / "engine.log"
+    vllm = VllmServer(model, free_port(), log_file=log)
+    vllm.start()
+    assert vllm.process is not None
+    server = Server("engine", vllm.process, vllm.url, log)
+    servers.started.append(server)
+    return server
+
+
 async def answer_sizes(http: aiohttp.ClientSession, engine_url: str) -> str:
     """The engine's answer bytes as an agent asks, and as trajstore asks (ids and logprobs)."""
     sizes = []
@@ -530,6 +556,7 @@ class Plan:
     seconds: float
     runs: int
     soak: int
+    vllm: bool = False  # a real vLLM (CPU, generated tiny model) instead of the fake engine
 
 
 async def soak(http: aiohttp.ClientSession, target: Target, db: DbBackends, n: int) -> bool:
@@ -565,7 +592,10 @@ async def main(plan: Plan) -> int:
         await dbs.setup()
         scratch = await dbs.fresh()
         python = sys.executable
-        engine = servers.start("engine", [python, "-c", ENGINE_MAIN, str(ROOT), "{port}"])
+        if plan.vllm:
+            engine = await asyncio.to_thread(start_vllm, servers)
+        else:
+            engine = servers.start("engine", [python, "-c", ENGINE_MAIN, str(ROOT), "{port}"])
         await servers.wait_ready(engine, http, "/health")
         floor = servers.start(
             "floor",
@@ -609,7 +639,10 @@ async def main(plan: Plan) -> int:
         }
         print(f"\nmedians of {plan.runs} run(s) of {plan.seconds:g} s, max_tokens {MAX_TOKENS}")
         print_table(rows)
-        print_ratios(rows, plan.levels)
+        if plan.vllm:
+            print_throughput(rows, plan.levels)
+        else:
+            print_ratios(rows, plan.levels)
         print()
         await finish_sessions(http, routes)
         ok = await reconcile(targets[2], db, "load runs")
@@ -635,15 +668,22 @@ if __name__ == "__main__":
     parser.add_argument(
         "--sessions-soak", type=int, help="sessions of the soak, 0: none [1000; quick 200]"
     )
+    parser.add_argument(
+        "--vllm", action="store_true",
+        help="against a real vLLM (CPU) on the generated tiny model, at modest concurrency "
+        "[levels 1 4 16], reporting throughput against direct",
+    )  # fmt: skip
     args = parser.parse_args()
     soak_sessions = args.sessions_soak
     if soak_sessions is None:
         soak_sessions = 200 if args.quick else 1000
+    default_levels = [1, 4, 16] if args.vllm else [1, 64] if args.quick else [1, 64, 256]
     plan = Plan(
-        levels=args.concurrency or ([1, 64] if args.quick else [1, 64, 256]),
+        levels=args.concurrency or default_levels,
         seconds=args.duration or (2.0 if args.quick else 4.0),
         runs=args.runs or (1 if args.quick else 2),
-        soak=soak_sessions,
+        soak=0 if args.vllm else soak_sessions,
+        vllm=args.vllm,
     )
     if 1 not in plan.levels:
         parser.error("the concurrency levels must include 1 (the added-latency figure)")

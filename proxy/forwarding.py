@@ -19,7 +19,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from proxy.engines import Engine, EnginePool, NoHealthyEngine
-from proxy.errors import BadRequest, EngineFailed, Overloaded
+from proxy.errors import BadRequest, EngineFailed, Overloaded, ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.recorder import RequestRecorder, new_request_id
 from proxy.sessions import Session
@@ -230,6 +230,14 @@ class Forwarder:
             await recorder.failed(reason, message)
             self._count(api, 502)
             yield _sse(EngineFailed(message).body())
+            return
+        except Exception as exc:
+            # A bug of ours, mid-stream: the status line is sent, so the agent learns of it in
+            # the stream, and the log keeps the failure instead of a silently cut response.
+            log.exception("relaying a stream failed")
+            await recorder.failed("proxy_error", f"{type(exc).__name__}: {exc}")
+            self._count(api, 500)
+            yield _sse(ProxyError(f"the proxy failed: {type(exc).__name__}: {exc}").body())
             return
         if relay.done and not recorder.ended:
             await recorder.finished(relay.usage)

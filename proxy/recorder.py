@@ -15,7 +15,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
-from store import EventType, EventWriter, NewEvent, request_stream
+from store import BadEvent, EventType, EventWriter, NewEvent, request_stream
+
+
+def _without_nul(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {_without_nul(k): _without_nul(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_nul(v) for v in value]
+    return value
 
 
 def new_request_id() -> str:
@@ -176,11 +186,24 @@ class RequestRecorder:
         token_ids: list[int] | None = None,
         logprobs: list[float] | None = None,
     ) -> NewEvent:
-        return NewEvent(
+        try:
+            return NewEvent(
+                event_type,
+                session_id=self.session_id,
+                run_id=self.run_id,
+                payload=payload,
+                token_ids=token_ids,
+                logprobs=logprobs,
+            )
+        except BadEvent as exc:
+            if "NUL" not in str(exc):
+                raise
+        # PostgreSQL's jsonb cannot hold U+0000, which models do emit (and tool output may
+        # carry). The text in a payload is for people; the token ids are the record, and they
+        # are kept exactly. So NUL becomes U+FFFD in the text, and the event says so.
+        return self._event(
             event_type,
-            session_id=self.session_id,
-            run_id=self.run_id,
-            payload=payload,
+            {**_without_nul(payload), "nul_replaced": True},
             token_ids=token_ids,
             logprobs=logprobs,
         )

@@ -124,7 +124,6 @@ async def test_unknown_session_is_404_and_bad_bodies_are_400_or_413(
         (b'{"model": "tiny", "messages": []}', 400, "'messages' must be a non-empty list"),
         (b'{"model": "tiny", "messages": [{"content": "x"}], "n": 1}', 400, "'role'"),
         (b'{"model": "t", "messages": [{"role": "user", "content": "x"}], "n": 0}', 400, "'n'"),
-        (b'{"model": "t", "messages": [{"role": "user", "content": "a\\u0000b"}]}', 400, "NUL"),
         (b'{"pad": "' + b"x" * 20_000 + b'"}', 413, "limit is 10000 bytes"),
     ]
     for body, status, message in cases:
@@ -149,3 +148,18 @@ async def test_health_metrics_and_policy_versions(proxy: RunningProxy, engine: F
     assert "trajstore_time_to_first_token_seconds_bucket" in metrics
     models = await proxy.agent(session).models.list()
     assert [m.id for m in models.data] == ["tiny"]
+
+
+async def test_nul_characters_are_served_and_recorded_as_replacement_characters(
+    proxy: RunningProxy, engine: FakeEngine
+) -> None:
+    # Tool output may carry NUL; PostgreSQL's jsonb cannot. The agent is served all the same.
+    session = await proxy.new_session()
+    content = "binary\x00output"
+    await proxy.agent(session).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": content}], max_tokens=4
+    )
+    assert engine.requests[0]["messages"][0]["content"] == content  # the engine got it as sent
+    record = (await proxy.http.get(f"{proxy.url}/sessions/{session['session_id']}")).json()
+    assert record["turns"][0]["messages"][0]["content"] == "binary\ufffdoutput"
+    assert len(record["turns"][0]["prompt_token_ids"]) > 0
