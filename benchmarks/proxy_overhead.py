@@ -73,11 +73,21 @@ uvloop.run(main())
 """
 
 
-def request_body(stream: bool) -> bytes:
-    """A chat request as an agent sends it: no token ids, logprobs or usage asked for."""
-    return orjson.dumps(
-        {"model": "tiny", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "stream": stream}
-    )
+def request_body(stream: bool, *, usage: bool = False) -> bytes:
+    """A chat request as an agent sends it: no token ids or logprobs asked for.
+
+    With `usage`, a stream asks for the usage chunk: a real model's tokens do not each carry
+    text (a split UTF-8 character, the end-of-turn token), so counting text chunks undercounts.
+    """
+    body: dict[str, object] = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "max_tokens": MAX_TOKENS,
+        "stream": stream,
+    }
+    if stream and usage:
+        body["stream_options"] = {"include_usage": True}
+    return orjson.dumps(body)
 
 
 # -- processes ----------------------------------------------------------------------------------
@@ -228,7 +238,9 @@ async def one_request(
                     chunk = orjson.loads(data)
                     if "error" in chunk:
                         raise RequestFailed("error in stream")
-                    if any((c.get("delta") or {}).get("content") for c in chunk["choices"]):
+                    if chunk.get("usage"):  # asked for with a real engine: exact counts
+                        tokens = chunk["usage"]["completion_tokens"]
+                    elif any((c.get("delta") or {}).get("content") for c in chunk["choices"]):
                         tokens += 1
                         if ttft is None:
                             ttft = time.perf_counter() - started
@@ -272,10 +284,18 @@ def new_client() -> aiohttp.ClientSession:
 class Load:
     """Closed-loop load from this process, with the CPU time of everyone involved."""
 
-    def __init__(self, http: aiohttp.ClientSession, engine_pid: int, db: DbBackends | None):
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        engine_pid: int,
+        db: DbBackends | None,
+        *,
+        usage: bool = False,
+    ):
         self.http = http
         self.engine_pid = engine_pid
         self.db = db
+        self.usage = usage
 
     async def measure(
         self, target: Target, stream: bool, concurrency: int, seconds: float
@@ -293,7 +313,7 @@ class Load:
         concurrency: int,
         seconds: float,
     ) -> Sample:
-        body = request_body(stream)
+        body = request_body(stream, usage=self.usage)
         warm = Tally()
         await asyncio.gather(
             *(
@@ -622,7 +642,7 @@ async def main(plan: Plan) -> int:
             Target("floor", [Route(floor.url + chat, {})], [floor.process.pid], floor),
             Target("trajstore", routes, [ours.process.pid], ours),
         ]
-        load = Load(http, engine.process.pid, db)
+        load = Load(http, engine.process.pid, db, usage=plan.vllm)
         samples: dict[tuple[str, str, int], list[Sample]] = {}
         for stream in (False, True):
             mode = "stream" if stream else "non-stream"
