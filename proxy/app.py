@@ -37,19 +37,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from proxy.auth import admin_key_is_valid, session_key_is_valid
 from proxy.engines import EnginePool
 from proxy.errors import (
-    BadRequest,
     NotFound,
     Overloaded,
     PayloadTooLarge,
     ProxyError,
     Unauthorized,
+    from_store_error,
 )
 from proxy.forwarding import Forwarder
 from proxy.metrics import ProxyMetrics
 from proxy.model_calls import ModelCalls, send_error
 from proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
 from proxy.settings import ProxySettings
-from store import BadEvent, EventStore, StoreUnavailable, WriteFailed, WriterBackpressure
+from store import EventStore, StoreError
 from store.sessions import rebuild_session
 
 log = logging.getLogger(__name__)
@@ -317,22 +317,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def proxy_error(request: Request, exc: ProxyError) -> Response:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
-    @app.exception_handler(WriterBackpressure)
-    async def backpressure(request: Request, exc: WriterBackpressure) -> Response:
-        return await proxy_error(request, Overloaded(str(exc), retry_after=exc.retry_after))
-
-    @app.exception_handler(StoreUnavailable)
-    async def unavailable(request: Request, exc: StoreUnavailable) -> Response:
-        return await proxy_error(request, Overloaded(f"the store is unavailable: {exc}"))
-
-    @app.exception_handler(WriteFailed)
-    async def write_failed(request: Request, exc: WriteFailed) -> Response:
-        error = ProxyError(f"some events of this session could not be stored: {exc}")
-        return await proxy_error(request, error)
-
-    @app.exception_handler(BadEvent)
-    async def bad_event(request: Request, exc: BadEvent) -> Response:
-        return await proxy_error(request, BadRequest(f"cannot be recorded: {exc}"))
+    @app.exception_handler(StoreError)
+    async def store_error(request: Request, exc: StoreError) -> Response:
+        return await proxy_error(request, from_store_error(exc))
 
 
 async def _watch_event_loop(metrics: ProxyMetrics, interval: float = 0.25) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from store.errors import BadEvent, StoreError, StoreUnavailable, WriterBackpressure
+
 
 class ProxyError(Exception):
     """The proxy cannot serve the request."""
@@ -100,3 +102,14 @@ class EngineFailed(ProxyError):
     def __init__(self, message: str | None = None, *, status: int = 502) -> None:
         super().__init__(message)
         self.status = status
+
+
+def from_store_error(exc: StoreError) -> ProxyError:
+    """The HTTP answer to a store error met while serving a request."""
+    if isinstance(exc, WriterBackpressure):
+        return Overloaded(str(exc), retry_after=exc.retry_after)
+    if isinstance(exc, StoreUnavailable):
+        return Overloaded(f"the store is unavailable: {exc}")
+    if isinstance(exc, BadEvent):
+        return BadRequest(f"cannot be recorded: {exc}")
+    return ProxyError(f"the store failed: {exc}")  # WriteFailed and the rest: our side, a 500

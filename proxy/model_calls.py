@@ -21,13 +21,13 @@ from proxy.auth import session_key_is_valid
 from proxy.errors import (
     BadRequest,
     NotFound,
-    Overloaded,
     PayloadTooLarge,
     ProxyError,
     Unauthorized,
+    from_store_error,
 )
 from proxy.wire import Api
-from store import BadEvent, StoreUnavailable, WriteFailed, WriterBackpressure
+from store import StoreError
 
 _APIS: dict[str, Api] = {"chat/completions": "chat", "completions": "completions"}
 
@@ -65,17 +65,8 @@ class ModelCalls:
         except ProxyError as exc:
             await send_error(send, exc)
             return
-        except WriterBackpressure as exc:
-            await send_error(send, Overloaded(str(exc), retry_after=exc.retry_after))
-            return
-        except StoreUnavailable as exc:
-            await send_error(send, Overloaded(f"the store is unavailable: {exc}"))
-            return
-        except WriteFailed as exc:
-            await send_error(send, ProxyError(f"events could not be stored: {exc}"))
-            return
-        except BadEvent as exc:
-            await send_error(send, BadRequest(f"cannot be recorded: {exc}"))
+        except StoreError as exc:
+            await send_error(send, from_store_error(exc))
             return
         await response(scope, receive, send)
 
