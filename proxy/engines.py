@@ -7,7 +7,7 @@ it held move elsewhere. An engine that is down or saturated is skipped in favour
 loaded healthy one.
 
     EngineError
-    └── NoHealthyEngine     every engine is down or at its in-flight limit (HTTP: 503)
+    └── NoHealthyEngine     every engine is down (HTTP: 503)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class EngineError(Exception):
 
 
 class NoHealthyEngine(EngineError):
-    """No engine is healthy and below its in-flight limit."""
+    """No engine is healthy."""
 
 
 @dataclass
@@ -143,10 +143,13 @@ class EnginePool:
         preferred = self.preferred(key)
         if preferred.healthy and not preferred.saturated:
             return preferred
-        available = [e for e in self.engines if e.healthy and not e.saturated]
-        if not available:
+        healthy = [e for e in self.engines if e.healthy]
+        if not healthy:
             raise NoHealthyEngine()
-        return min(available, key=lambda engine: engine.in_flight)
+        # When every healthy engine is saturated, the least loaded still takes the request:
+        # engines queue requests themselves, and an agent is better served late than refused.
+        # (Back-pressure comes from the recorder, whose limit protects what must not be lost.)
+        return min(healthy, key=lambda e: (e.saturated, e.in_flight))
 
     @contextlib.contextmanager
     def lease(self, engine: Engine) -> Iterator[Engine]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -40,6 +40,12 @@ class RelayResponse(StreamingResponse):
     lets it record the abort and close the engine connection, which makes vLLM stop generating.
     """
 
+    def __init__(
+        self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def client_left() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -53,6 +59,9 @@ class RelayResponse(StreamingResponse):
             for task in (relay, watcher):
                 task.cancel()
             results = await asyncio.gather(relay, watcher, return_exceptions=True)
+            # Also when the relay never started (the agent left at once): its own cleanup
+            # would then never run.
+            await self.on_close()
         if isinstance(results[0], BaseException) and not isinstance(
             results[0], asyncio.CancelledError | OSError
         ):
@@ -185,15 +194,26 @@ class Forwarder:
                 lease.__exit__(None, None, None)
             return await self._engine_refusal(api, recorder, resp.status, raw)
 
+        closed = False
+
+        async def close() -> None:
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            resp.close()  # closing the connection makes vLLM abort a generation
+            lease.__exit__(None, None, None)
+            if not recorder.ended:
+                await recorder.failed("client_disconnected", "the agent left before the stream")
+
         async def relay() -> AsyncIterator[bytes]:
             try:
                 async for chunk in self._relay(api, engine, resp, recorder, asked):
                     yield chunk
             finally:
-                resp.close()  # closing the connection makes vLLM abort a generation
-                lease.__exit__(None, None, None)
+                await close()
 
-        return RelayResponse(relay(), media_type="text/event-stream")
+        return RelayResponse(relay(), on_close=close)
 
     async def _relay(
         self,

@@ -8,6 +8,7 @@ it checks its health.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections import Counter
@@ -146,6 +147,18 @@ def test_saturated_preferred_engine_falls_back_to_least_loaded() -> None:
         assert pool.choose(key) is first
     assert preferred.in_flight == 0
     assert pool.choose(key) is preferred
+
+
+def test_when_every_engine_is_saturated_the_least_loaded_still_serves() -> None:
+    pool = EnginePool(URLS, max_in_flight=1)
+    busiest, *rest = pool.engines
+    with contextlib.ExitStack() as leases:
+        for engine in pool.engines:
+            leases.enter_context(pool.lease(engine))
+        leases.enter_context(pool.lease(busiest))  # now at 2
+        assert all(e.saturated for e in pool.engines)
+        chosen = pool.choose(KEYS[0])
+        assert chosen is not busiest and chosen in rest  # queued at an engine, not refused
 
 
 def test_lease_is_released_when_the_request_fails() -> None:
