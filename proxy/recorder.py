@@ -9,8 +9,8 @@ slows the stream instead of dropping tokens. The event payloads are the contract
 
 from __future__ import annotations
 
+import random
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +29,8 @@ def _without_nul(value: Any) -> Any:
 
 
 def new_request_id() -> str:
-    """A fresh, unique request id."""
-    return uuid.uuid4().hex
+    """A fresh, unique request id: 128 random bits, as hex (cheaper than uuid4, as unique)."""
+    return f"{random.getrandbits(128):032x}"
 
 
 @dataclass

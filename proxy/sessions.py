@@ -112,11 +112,18 @@ class SessionRegistry:
         self.writer = writer
         self._secret = secret
         self._sessions: dict[str, Session] = {}
+        self._keys: dict[str, str] = {}
 
     def key_for(self, session_id: str) -> str:
         """The API key of one session."""
-        digest = hmac.new(self._secret, session_id.encode(), hashlib.sha256).hexdigest()
-        return f"tss-{digest[:48]}"
+        key = self._keys.get(session_id)
+        if key is None:  # an HMAC per model call showed in profiles: remember recent ones
+            digest = hmac.new(self._secret, session_id.encode(), hashlib.sha256).hexdigest()
+            key = f"tss-{digest[:48]}"
+            if len(self._keys) >= 100_000:
+                self._keys.clear()
+            self._keys[session_id] = key
+        return key
 
     def key_matches(self, session_id: str, presented: str) -> bool:
         """Whether `presented` is this session's key (constant-time)."""
