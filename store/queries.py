@@ -75,3 +75,34 @@ TX_ID_OF_POSITION = "SELECT tx_id FROM events WHERE position = $1"
 HEAD_POSITION = "SELECT coalesce(max(position), 0) FROM events"
 
 SCHEMA_PRESENT = "SELECT to_regclass('events') IS NOT NULL"
+
+# -- the samples projection --------------------------------------------------------------------
+
+#: Only the facts that change a session's samples; chunk events are read per session, later.
+READ_SESSION_FACTS = """
+SELECT session_id, position, tx_id FROM events
+WHERE (tx_id, position) > ($1::xid8, $2::int8)
+  AND tx_id < pg_snapshot_xmin(pg_current_snapshot())
+  AND event_type = ANY($3::text[])
+ORDER BY tx_id, position
+LIMIT $4
+"""
+
+READ_CHECKPOINT = """
+SELECT tx_id, position FROM projection_checkpoints WHERE name = $1 AND version = $2
+"""
+
+WRITE_CHECKPOINT = """
+INSERT INTO projection_checkpoints (name, version, tx_id, position) VALUES ($1, $2, $3, $4)
+ON CONFLICT (name, version)
+DO UPDATE SET tx_id = EXCLUDED.tx_id, position = EXCLUDED.position, updated_at = now()
+"""
+
+DELETE_SESSION_SAMPLES = "DELETE FROM samples WHERE session_id = $1 AND projection_version = $2"
+
+SAMPLE_COLUMNS = (
+    "sample_id", "projection_version", "session_id", "run_id", "task_id", "group_id", "branch",
+    "alternative_of", "is_final", "status", "finish_reason", "reward", "token_ids", "loss_mask",
+    "logprobs", "prompt_len", "response_len", "n_turns", "tool_turns", "policy_versions",
+    "engines", "divergence", "last_position",
+)  # fmt: skip

@@ -12,18 +12,22 @@ from typing import Any
 from sqlalchemy import (
     DDL,
     BigInteger,
+    Boolean,
     Column,
+    Double,
     Identity,
     Index,
+    Integer,
     LargeBinary,
     MetaData,
+    PrimaryKeyConstraint,
     Table,
     Text,
     UniqueConstraint,
     event,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP, UUID
 from sqlalchemy.dialects.postgresql.base import ischema_names
 from sqlalchemy.types import UserDefinedType
 
@@ -80,6 +84,52 @@ events = Table(
 def _ddl(statement: str) -> DDL:
     return DDL(statement)  # type: ignore[no-untyped-call]
 
+
+#: Training samples: a projection of the log (rebuildable from it, never the source of truth).
+#: Token ids int32, loss mask uint8 (1 = the model generated it), behaviour logprobs float32,
+#: all packed little-endian like the events' arrays.
+samples = Table(
+    "samples",
+    metadata,
+    Column("sample_id", UUID(as_uuid=True), primary_key=True),
+    Column("projection_version", Integer, nullable=False),
+    Column("session_id", Text, nullable=False),
+    Column("run_id", Text),
+    Column("task_id", Text),
+    Column("group_id", Text),
+    Column("branch", Integer, nullable=False),
+    Column("alternative_of", Integer),
+    Column("is_final", Boolean, nullable=False),
+    Column("status", Text, nullable=False),
+    Column("finish_reason", Text),
+    Column("reward", Double),
+    Column("token_ids", LargeBinary, nullable=False),
+    Column("loss_mask", LargeBinary, nullable=False),
+    Column("logprobs", LargeBinary, nullable=False),
+    Column("prompt_len", Integer, nullable=False),
+    Column("response_len", Integer, nullable=False),
+    Column("n_turns", Integer, nullable=False),
+    Column("tool_turns", Integer, nullable=False),
+    Column("policy_versions", ARRAY(Text), nullable=False),
+    Column("engines", ARRAY(Text), nullable=False),
+    Column("divergence", JSONB),
+    Column("last_position", BigInteger, nullable=False),
+    Column("projected_at", TIMESTAMP(timezone=True), nullable=False, server_default=text("now()")),
+    Index(None, "projection_version", "run_id"),
+    Index(None, "session_id"),
+)
+
+#: Where each projection has read the log up to, written in the same transaction as its output.
+projection_checkpoints = Table(
+    "projection_checkpoints",
+    metadata,
+    Column("name", Text, nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("tx_id", XID8, nullable=False),
+    Column("position", BigInteger, nullable=False),
+    Column("updated_at", TIMESTAMP(timezone=True), nullable=False, server_default=text("now()")),
+    PrimaryKeyConstraint("name", "version"),
+)
 
 # Each statement on its own: the asyncpg driver prepares statements, one command each. DDL() formats
 # its text with `%`, hence the doubled `%%` in RAISE.

@@ -1,0 +1,142 @@
+"""The samples projection against a real PostgreSQL: what becomes a sample, and crash safety."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+import numpy as np
+import pytest
+
+from store import EventStore, EventType, NewEvent, StoreUnavailable, request_stream, session_stream
+from store.projection import Projector
+
+
+async def record_session(
+    store: EventStore,
+    session_id: str,
+    turns: list[tuple[list[int], list[int]]],
+    *,
+    finish: str | None = "completed",
+    reward: float | None = 1.0,
+) -> None:
+    """Append a session as the proxy records it: created, turns, reward, finished."""
+
+    def event(kind: EventType, payload: dict[str, Any], **arrays: Any) -> NewEvent:
+        return NewEvent(kind, session_id=session_id, run_id="run-1", payload=payload, **arrays)
+
+    created = event(EventType.SESSION_CREATED, {"task_id": "t", "group_id": "g"})
+    await store.append(session_stream(session_id), [created])
+    for n, (prompt, completion) in enumerate(turns):
+        request_id = f"{session_id}-{n}"
+        await store.append(
+            request_stream(request_id),
+            [
+                event(EventType.REQUEST_RECEIVED, {"request_id": request_id, "body": {}}),
+                event(EventType.PROMPT_TOKENS, {"choice": None}, token_ids=prompt),
+                event(
+                    EventType.COMPLETION_CHUNK,
+                    {"choice": 0, "text": ""},
+                    token_ids=completion,
+                    logprobs=[-0.25] * len(completion),
+                ),
+                event(
+                    EventType.COMPLETION_FINISHED,
+                    {"choices": [{"index": 0, "finish_reason": "stop"}]},
+                ),
+            ],
+        )
+    if reward is not None:
+        await store.append(
+            session_stream(session_id), [event(EventType.REWARD_ASSIGNED, {"value": reward})]
+        )
+    if finish is not None:
+        await store.append(
+            session_stream(session_id), [event(EventType.SESSION_FINISHED, {"status": finish})]
+        )
+
+
+async def samples_of(store: EventStore) -> list[asyncpg.Record]:
+    return await store.pool.fetch("SELECT * FROM samples ORDER BY session_id, branch")
+
+
+async def test_a_finished_session_becomes_a_token_exact_sample(store: EventStore) -> None:
+    await record_session(store, "s1", [([1, 10], [20, 2]), ([1, 10, 20, 2, 30], [40, 2])])
+    assert await Projector(store).run_once() == 1
+    [row] = await samples_of(store)
+    assert np.frombuffer(row["token_ids"], "<i4").tolist() == [1, 10, 20, 2, 30, 40, 2]
+    assert list(row["loss_mask"]) == [0, 0, 1, 1, 0, 1, 1]
+    logprobs = np.frombuffer(row["logprobs"], "<f4").tolist()
+    assert logprobs == [0, 0, -0.25, -0.25, 0, -0.25, -0.25]
+    assert (row["run_id"], row["task_id"], row["group_id"]) == ("run-1", "t", "g")
+    assert (row["reward"], row["status"], row["n_turns"], row["response_len"]) == (
+        1.0, "completed", 2, 4
+    )  # fmt: skip
+    assert row["is_final"] and row["divergence"] is None
+
+
+async def test_unfinished_and_discarded_sessions_have_no_samples(store: EventStore) -> None:
+    await record_session(store, "open", [([1], [2])], finish=None)
+    await record_session(store, "gone", [([1], [2])])
+    await store.append(
+        session_stream("gone"),
+        [NewEvent(EventType.SESSION_DISCARDED, session_id="gone", payload={"reason": "leak"})],
+    )
+    await record_session(store, "failed", [([1], [2])], finish="error")
+    await Projector(store).run_once()
+    assert [(r["session_id"], r["status"]) for r in await samples_of(store)] == [
+        ("failed", "error")
+    ]
+
+
+async def test_a_late_reward_updates_the_samples(store: EventStore) -> None:
+    await record_session(store, "s1", [([1], [2])], reward=None)
+    projector = Projector(store)
+    await projector.run_once()
+    assert (await samples_of(store))[0]["reward"] is None
+    await store.append(
+        session_stream("s1"),
+        [NewEvent(EventType.REWARD_ASSIGNED, session_id="s1", payload={"value": 0.5})],
+    )
+    await projector.run_once()
+    [row] = await samples_of(store)
+    assert row["reward"] == 0.5
+
+
+async def test_killed_between_writing_and_committing_it_resumes_without_loss_or_doubles(
+    store: EventStore,
+) -> None:
+    for i in range(5):
+        await record_session(store, f"s{i}", [([1, i], [20 + i])])
+
+    class Killed(Projector):
+        async def before_commit(self, conn: asyncpg.Connection) -> None:
+            # Everything is written, nothing committed: the connection dies right here.
+            await store.pool.execute("SELECT pg_terminate_backend($1)", conn.get_server_pid())
+
+    with pytest.raises(StoreUnavailable):
+        await Killed(store, batch_size=3).run_once()
+    assert await samples_of(store) == []  # the transaction died with the connection
+    assert await store.pool.fetchval("SELECT count(*) FROM projection_checkpoints") == 0
+
+    # Small batches: a session's reward and its finish may land in different batches.
+    assert await Projector(store, batch_size=3).run_once() >= 5
+    rows = await samples_of(store)
+    assert [r["session_id"] for r in rows] == [f"s{i}" for i in range(5)]
+    assert await Projector(store).run_once() == 0  # nothing new: nothing doubled
+
+
+async def test_a_rebuild_from_event_zero_gives_the_same_samples(store: EventStore) -> None:
+    await record_session(store, "s1", [([1, 10], [20]), ([1, 99, 20], [40])])  # diverges
+    await Projector(store).run_once()
+    before = [dict(r) for r in await samples_of(store)]
+    await store.pool.execute("DELETE FROM samples")
+    await store.pool.execute("DELETE FROM projection_checkpoints")
+    await Projector(store).run_once()
+    after = [dict(r) for r in await samples_of(store)]
+    drop = {"projected_at"}
+    assert [{k: v for k, v in r.items() if k not in drop} for r in after] == [
+        {k: v for k, v in r.items() if k not in drop} for r in before
+    ]
+    assert len(after) == 2
+    assert after[1]["divergence"] is not None  # jsonb, as raw JSON bytes on store connections
