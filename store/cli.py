@@ -6,6 +6,7 @@ they are installed (see `_PLUGIN_COMMANDS`), so a store-only install needs neith
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -155,3 +156,27 @@ def migrate(ctx: click.Context, revision: str) -> None:
     url = database_url(_settings(ctx))
     migrations.upgrade(url, revision)
     click.echo(f"migrated to {revision}")
+
+
+@main.command()
+@click.option("--once", is_flag=True, help="Project what is there, then exit.")
+@click.option("--poll-interval", default=1.0, show_default=True, help="Seconds between polls.")
+@click.pass_context
+def project(ctx: click.Context, once: bool, poll_interval: float) -> None:
+    """Turn finished sessions into training samples (the `samples` table), live."""
+    import asyncio
+
+    from store.eventstore import EventStore
+    from store.projection import Projector
+
+    async def run() -> None:
+        async with await EventStore.open(database_url(_settings(ctx))) as store:
+            projector = Projector(store)
+            if once:
+                click.echo(f"projected {await projector.run_once()} sessions")
+            else:
+                click.echo("projecting finished sessions into samples; Ctrl-C stops")
+                await projector.run_forever(poll_interval)
+
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how the live projector stops
+        asyncio.run(run())

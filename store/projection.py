@@ -12,16 +12,20 @@ their status (the trainer leaves them out by default).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from typing import Any
 
 import asyncpg
 
 from store import queries
-from store.connection import unavailable_as_store_error
+from store.connection import close_quietly, connect, unavailable_as_store_error
+from store.errors import StoreUnavailable
 from store.events import EventType, RecordedEvent
 from store.eventstore import EventStore
 from store.samples import PROJECTION_VERSION, Sample, build_samples
+from store.schema import NOTIFY_CHANNEL
 from store.sessions import rebuild_session
 from store.tokens import encode_logprobs, encode_token_ids
 
@@ -108,6 +112,34 @@ class Projector:
             )
             await self.before_commit(conn)
         return len(sessions)
+
+    async def run_forever(self, poll_interval: float = 1.0) -> None:
+        """Project what is there, then follow the log: woken by NOTIFY, polling as the truth."""
+        wake = asyncio.Event()
+        listener: asyncpg.Connection | None = None
+        try:
+            while True:
+                if listener is None or listener.is_closed():
+                    try:
+                        listener = await connect(
+                            self.store.url, application_name="trajstore-projector"
+                        )
+                        await listener.add_listener(NOTIFY_CHANNEL, lambda *_: wake.set())
+                    except StoreUnavailable as exc:
+                        log.warning("projector cannot listen (%s); polling", exc)
+                        listener = None
+                wake.clear()
+                try:
+                    projected = await self.run_once()
+                except StoreUnavailable as exc:
+                    log.warning("projector lost PostgreSQL (%s); retrying", exc)
+                    projected = 0
+                if projected:
+                    log.info("projected %d sessions", projected)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), timeout=poll_interval)
+        finally:
+            await close_quietly(listener)
 
     async def before_commit(self, conn: asyncpg.Connection) -> None:
         """Called inside the transaction, after everything is written (a hook for tests)."""

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import subprocess
+import sys
 from typing import Any
 
 import asyncpg
@@ -140,3 +144,29 @@ async def test_a_rebuild_from_event_zero_gives_the_same_samples(store: EventStor
     ]
     assert len(after) == 2
     assert after[1]["divergence"] is not None  # jsonb, as raw JSON bytes on store connections
+
+
+async def test_live_projection_follows_new_sessions(store: EventStore) -> None:
+    projector = asyncio.create_task(Projector(store).run_forever(poll_interval=30.0))
+    try:
+        await record_session(store, "live-1", [([1], [2])])
+        rows: list[asyncpg.Record] = []
+        for _ in range(100):  # woken by NOTIFY, not by the 30 s poll
+            if rows := await samples_of(store):
+                break
+            await asyncio.sleep(0.05)
+        assert [r["session_id"] for r in rows] == ["live-1"]
+    finally:
+        projector.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await projector
+
+
+def test_the_cli_projects_once(database_url: str) -> None:
+    env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url}
+    done = subprocess.run(
+        [sys.executable, "-m", "store", "project", "--once"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "projected 0 sessions"
