@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -159,6 +159,20 @@ class EnginePool:
             yield engine
         finally:
             engine.in_flight -= 1
+
+    def acquire(self, engine: Engine) -> Callable[[], None]:
+        """Count a request as in flight until the returned release is called (once is enough;
+        later calls do nothing): for a streamed answer, whose end is not the caller's block."""
+        engine.in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                engine.in_flight -= 1
+
+        return release
 
     def get(self, url: str) -> Engine:
         """Return the engine at `url` (normalised); raise KeyError if there is none."""

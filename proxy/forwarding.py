@@ -176,22 +176,21 @@ class Forwarder:
         asked: Asked,
     ) -> Response:
         timeout = aiohttp.ClientTimeout(sock_read=self.settings.request_timeout)
-        lease = self.engines.lease(engine)
-        lease.__enter__()
+        release = self.engines.acquire(engine)
         try:
             resp = await self.http.post(
                 engine.url + ENGINE_PATHS[api], data=payload, headers=headers,
                 timeout=timeout,
             )  # fmt: skip
         except BaseException as exc:
-            lease.__exit__(None, None, None)
+            release()
             raise await self._engine_failure(api, engine, recorder, exc) from None
         if resp.status != 200:
             try:
                 raw = await resp.read()
             finally:
                 resp.release()
-                lease.__exit__(None, None, None)
+                release()
             return await self._engine_refusal(api, recorder, resp.status, raw)
 
         closed = False
@@ -202,7 +201,7 @@ class Forwarder:
                 return
             closed = True
             resp.close()  # closing the connection makes vLLM abort a generation
-            lease.__exit__(None, None, None)
+            release()
             if not recorder.ended:
                 await recorder.failed("client_disconnected", "the agent left before the stream")
 

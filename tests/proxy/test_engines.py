@@ -316,3 +316,13 @@ async def test_health_changes_are_logged_once(
         assert "unhealthy" in messages[0] and "healthy again" in messages[1]
     finally:
         await pool.close()
+
+
+def test_an_acquired_engine_is_released_once_however_often_release_is_called() -> None:
+    pool = EnginePool(URLS)
+    engine = pool.engines[0]
+    release = pool.acquire(engine)
+    assert engine.in_flight == 1
+    release()
+    release()  # the relay's own cleanup and the response's both release
+    assert engine.in_flight == 0
