@@ -19,6 +19,8 @@ from openai import AsyncOpenAI
 
 from proxy.tiny_model import build_tiny_model
 from proxy.vllm_server import VllmServer
+from store import EventStore
+from store.projection import Projector
 from tests.conftest import free_port
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
@@ -236,3 +238,46 @@ async def test_vllm_refusal_is_passed_on(proxy: RunningProxy) -> None:
     assert "max_tokens" in response.json()["error"]["message"]
     record = await session_record(proxy, session["session_id"])
     assert record["turns"][0]["status"] == "failed"
+
+
+async def test_samples_built_from_a_real_session_hold_exactly_what_vllm_saw_and_produced(
+    proxy: RunningProxy, database_url: str
+) -> None:
+    session = await proxy.new_session(task_id="add")
+    agent = proxy.agent(session)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "add 2 and 3"}]
+    for turn in range(3):
+        answer = await agent.chat.completions.create(
+            messages=messages,
+            tools=TOOLS,
+            seed=10 + turn,
+            **SAMPLING,  # type: ignore[arg-type]
+        )
+        messages.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
+        messages.append({"role": "tool", "tool_call_id": f"call-{turn}", "content": "5"})
+    url = f"{proxy.url}/sessions/{session['session_id']}/finish"
+    assert (await proxy.http.post(url, json={"status": "completed"})).status_code == 200
+    turns = (await session_record(proxy, session["session_id"]))["turns"]
+
+    async with await EventStore.open(database_url) as store:
+        await Projector(store).run_once()
+        rows = await store.pool.fetch(
+            "SELECT * FROM samples WHERE session_id = $1 ORDER BY branch", session["session_id"]
+        )
+    # A random model's text does not round-trip through the chat template, so the history may
+    # diverge into branches; whatever the branching, every turn sits in exactly one sample,
+    # preceded by exactly the prompt vLLM saw, its completion masked 1.
+    placed = 0
+    for row in rows:
+        tokens = np.frombuffer(row["token_ids"], "<i4").tolist()
+        mask = list(row["loss_mask"])
+        end = 0
+        for turn in turns:
+            prompt, completion = turn["prompt_token_ids"], turn["choices"][0]["token_ids"]
+            stop = len(prompt) + len(completion)
+            if tokens[:stop] == prompt + completion and stop > end:
+                assert mask[len(prompt) : stop] == [1] * len(completion)
+                end = stop
+                placed += 1
+        assert end == len(tokens)  # the sample is nothing but its turns
+    assert placed == len(turns) == 3
