@@ -32,21 +32,19 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy.auth import admin_key_is_valid, session_key_is_valid
+from proxy.auth import admin_key_is_valid, require_session_key
 from proxy.engines import EnginePool
 from proxy.errors import (
     NotFound,
     Overloaded,
-    PayloadTooLarge,
     ProxyError,
     Unauthorized,
     from_store_error,
 )
 from proxy.forwarding import Forwarder
 from proxy.metrics import ProxyMetrics
-from proxy.model_calls import ModelCalls, send_error
+from proxy.model_calls import BodyLimit, ModelCalls
 from proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
 from proxy.settings import ProxySettings
 from store import EventStore, StoreError
@@ -66,37 +64,6 @@ class ProxyState:
     engines: EnginePool
     metrics: ProxyMetrics
     public_url: str
-
-
-class BodyLimit:
-    """Refuse bodies over the limit with 413 before reading them (pure ASGI, no buffering)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await send_error(send, PayloadTooLarge(self._message(int(declared))))
-            return
-        seen = 0
-
-        async def counting_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise PayloadTooLarge(self._message(seen))
-            return message
-
-        await self.app(scope, counting_receive, send)
-
-    def _message(self, size: int) -> str:
-        return f"the request body is {size} bytes; the limit is {self.max_bytes} bytes"
 
 
 def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
@@ -177,11 +144,9 @@ def _require_admin(state: ProxyState, authorization: str | None) -> None:
 def _require_session_key(
     state: ProxyState, session_id: str, authorization: str | None, *, model_call: bool = False
 ) -> None:
-    if not session_key_is_valid(
-        state.registry, state.settings.api_key, session_id, authorization,
-        open_without_admin_key=not model_call,
-    ):  # fmt: skip
-        raise Unauthorized(f"use the api_key returned when session {session_id!r} was created")
+    require_session_key(
+        state.registry, state.settings.api_key, session_id, authorization, model_call=model_call
+    )
 
 
 # -- routes ------------------------------------------------------------------------------------

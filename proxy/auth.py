@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 
+from proxy.errors import Unauthorized
 from proxy.sessions import SessionRegistry
 
 
@@ -43,3 +44,18 @@ def session_key_is_valid(
     if admin_key is None:
         return open_without_admin_key
     return presented is not None and hmac.compare_digest(presented, admin_key)
+
+
+def require_session_key(
+    registry: SessionRegistry,
+    admin_key: str | None,
+    session_id: str,
+    authorization: str | None,
+    *,
+    model_call: bool,
+) -> None:
+    """Raise `Unauthorized` unless the caller may act on `session_id` (model calls never open)."""
+    if not session_key_is_valid(
+        registry, admin_key, session_id, authorization, open_without_admin_key=not model_call
+    ):
+        raise Unauthorized(f"use the api_key returned when session {session_id!r} was created")

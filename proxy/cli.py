@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import socket
-
 import click
 
-from store.embedded import database_url
-
-
-def _port_in_use(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
+from store.embedded import database_url, port_in_use
 
 
 def free_port_from(host: str, port: int, attempts: int = 50) -> int:
     """The first port from `port` on that nobody listens on."""
     for candidate in range(port, port + attempts):
-        if not _port_in_use(host, candidate):
+        if not port_in_use(host, candidate):
             return candidate
     raise click.ClickException(f"no free port in {port}..{port + attempts - 1} on {host}")
 
@@ -60,7 +49,7 @@ def proxy(
     urls = [u.strip() for e in engines for u in e.split(",") if u.strip()]
     if not urls:
         raise click.UsageError("name at least one engine: --engine http://HOST:PORT")
-    if _port_in_use(host, port):
+    if port_in_use(host, port):
         if not next_free_port:
             raise click.ClickException(
                 f"port {port} on {host} is in use; choose another with --port, "

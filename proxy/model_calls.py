@@ -15,15 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy.auth import session_key_is_valid
+from proxy.auth import require_session_key
 from proxy.errors import (
     BadRequest,
     NotFound,
     PayloadTooLarge,
     ProxyError,
-    Unauthorized,
     from_store_error,
 )
 from proxy.wire import Api
@@ -81,40 +80,73 @@ class ModelCalls:
                 "no session: use the base_url returned by POST /sessions, "
                 "or send the X-Session-Id header"
             )
-        self._check_key(state, session_id, headers.get("authorization"))
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise PayloadTooLarge(self._too_large(int(declared)))
+        require_session_key(
+            state.registry, state.settings.api_key, session_id, headers.get("authorization"),
+            model_call=True,
+        )  # fmt: skip
+        check_declared(headers.get("content-length", ""), self.max_body_bytes)
         body = await self._read_body(receive)
         session = await state.registry.ready_for_requests(session_id)
         passed_on = {k: v for k, v in headers.items() if k.startswith("x-") and k != "x-session-id"}
         return await state.forwarder.handle(api, session, body, passed_on)
 
-    @staticmethod
-    def _check_key(state: Any, session_id: str, authorization: str | None) -> None:
-        if not session_key_is_valid(
-            state.registry, state.settings.api_key, session_id, authorization,
-            open_without_admin_key=False,
-        ):  # fmt: skip
-            raise Unauthorized(f"use the api_key returned when session {session_id!r} was created")
-
     async def _read_body(self, receive: Receive) -> bytes:
+        receive = limited(receive, self.max_body_bytes)
         parts: list[bytes] = []
-        size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 raise BadRequest("the client went away before sending its body")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise PayloadTooLarge(self._too_large(size))
-            parts.append(chunk)
+            parts.append(message.get("body", b""))
             if not message.get("more_body"):
                 return b"".join(parts)
 
-    def _too_large(self, size: int) -> str:
-        return f"the request body is {size} bytes; the limit is {self.max_body_bytes} bytes"
+
+class BodyLimit:
+    """Refuse bodies over the limit with 413 before reading them (pure ASGI, no buffering);
+    for the FastAPI routes (`ModelCalls` applies the same limit to its own)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
+        try:
+            check_declared(declared, self.max_bytes)
+        except PayloadTooLarge as exc:
+            await send_error(send, exc)
+            return
+        await self.app(scope, limited(receive, self.max_bytes), send)
+
+
+def too_large(size: int, limit: int) -> PayloadTooLarge:
+    """The 413 for a body of `size` bytes."""
+    return PayloadTooLarge(f"the request body is {size} bytes; the limit is {limit} bytes")
+
+
+def check_declared(content_length: str, limit: int) -> None:
+    """Refuse a body whose declared length is over the limit, before reading any of it."""
+    if content_length.isdigit() and int(content_length) > limit:
+        raise too_large(int(content_length), limit)
+
+
+def limited(receive: Receive, limit: int) -> Receive:
+    """`receive`, raising `PayloadTooLarge` once more than `limit` body bytes came in."""
+    seen = 0
+
+    async def counting_receive() -> Message:
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise too_large(seen, limit)
+        return message
+
+    return counting_receive
 
 
 async def send_error(send: Send, error: ProxyError) -> None:

@@ -176,13 +176,14 @@ def _blocking_parent(path: Path, user: ServerUser) -> Path | None:
     return None
 
 
-def _port_free(port: int) -> bool:
+def port_in_use(host: str, port: int) -> bool:
+    """Whether some program already holds `port` on `host` (we cannot bind it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((host, port))
         except OSError:
-            return False
-    return True
+            return True
+    return False
 
 
 def _process_is_postgres(pid: int) -> bool:
@@ -299,7 +300,7 @@ class EmbeddedPostgres:
             return self.url()
         self.reused = False
         self._clear_stale_pid_file()
-        if not _port_free(self.port):
+        if port_in_use("127.0.0.1", self.port):
             raise EmbeddedServerError(
                 f"port {self.port} on 127.0.0.1 is in use by another program; set "
                 "TRAJSTORE_EMBEDDED_PORT to a free port, or TRAJSTORE_DATABASE_URL to use "

@@ -14,7 +14,7 @@ import random
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import IntEnum, StrEnum
 from typing import Any
 
@@ -182,35 +182,6 @@ class RecordedEvent:
     def __init__(self, row: Sequence[Any]) -> None:
         self._row = row
         self._payload: dict[str, Any] | None = None
-
-    @classmethod
-    def of(
-        cls,
-        *,
-        position: int,
-        event: NewEvent,
-        stream_id: str,
-        stream_version: int,
-        tx_id: int = 1,
-        recorded_at: datetime | None = None,
-    ) -> RecordedEvent:
-        """A recorded event made in memory (for tests and in-memory projections)."""
-        return cls(
-            (
-                position,
-                tx_id,
-                event.event_id,
-                stream_id,
-                stream_version,
-                event.session_id,
-                event.run_id,
-                event.type.value,
-                recorded_at or datetime.now(UTC),
-                event.payload_json,
-                event.token_bytes,
-                event.logprob_bytes,
-            )
-        )
 
     @property
     def position(self) -> int:

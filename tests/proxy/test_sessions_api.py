@@ -130,6 +130,12 @@ async def test_unknown_session_is_404_and_bad_bodies_are_400_or_413(
         response = await proxy.http.post(url, content=body, headers=auth)
         assert response.status_code == status, (body[:40], response.text)
         assert message in response.json()["error"]["message"]
+    # The session API has the same limit.
+    huge = await proxy.http.post(
+        f"{proxy.url}/sessions", content=b'{"run_id": "' + b"r" * 20_000 + b'"}'
+    )
+    assert huge.status_code == 413
+    assert "limit is 10000 bytes" in huge.json()["error"]["message"]
 
 
 async def test_health_metrics_and_policy_versions(proxy: RunningProxy, engine: FakeEngine) -> None:
