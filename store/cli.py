@@ -20,7 +20,12 @@ from store.errors import StoreError
 from store.settings import StoreSettings
 
 #: Commands provided by other packages: name -> "module:attribute", imported on first use.
-_PLUGIN_COMMANDS: dict[str, str] = {"proxy": "proxy.cli:proxy"}
+_PLUGIN_COMMANDS: dict[str, str] = {
+    "proxy": "proxy.cli:proxy",
+    "up": "proxy.stack:up",
+    "replay": "trainer.cli:replay",
+    "demo": "trainer.demo:demo",
+}
 
 
 class TrajstoreGroup(click.Group):
