@@ -1,11 +1,14 @@
-"""Fixtures for the proxy: a fake engine, the proxy served by a real uvicorn, an agent client."""
+"""Fixtures for the proxy: a fake engine, a real vLLM, the proxy served by a real uvicorn, an agent
+client."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +18,8 @@ from openai import AsyncOpenAI
 
 from proxy.app import create_app
 from proxy.settings import ProxySettings
+from proxy.tiny_model import build_tiny_model
+from proxy.vllm_server import VllmServer
 from store import EventStore
 from tests.conftest import free_port
 from tests.proxy.fake_engine import FakeEngine
@@ -109,3 +114,19 @@ async def events_of(database_url: str) -> AsyncIterator[Callable[[str], Awaitabl
         yield read
     finally:
         await store.close()
+
+
+@pytest.fixture(scope="session")
+def vllm() -> Iterator[str]:
+    """One real vLLM (CPU build) for the whole test session, on a freshly generated tiny model.
+
+    Tests that use it carry the `vllm` mark (deselect with `-m "not vllm"`).
+    """
+    workdir = Path(tempfile.mkdtemp(prefix="trajstore-vllm-"))
+    model = build_tiny_model(workdir / "model")
+    server = VllmServer(model, free_port(), log_file=workdir / "vllm.log")
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()

@@ -7,9 +7,6 @@ keeps must agree token for token. Deselect with `-m "not vllm"` on a machine wit
 from __future__ import annotations
 
 import asyncio
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,11 +14,8 @@ import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
-from proxy.tiny_model import build_tiny_model
-from proxy.vllm_server import VllmServer
 from store import EventStore
 from store.projection import Projector
-from tests.conftest import free_port
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
 
@@ -43,19 +37,6 @@ TOOLS = [
 ]
 SAMPLING: dict[str, Any] = {"model": "tiny", "temperature": 1.0, "max_tokens": 12}
 ASK_ALL: dict[str, Any] = {"logprobs": True, "extra_body": {"return_token_ids": True}}
-
-
-@pytest.fixture(scope="session")
-def vllm() -> Iterator[str]:
-    """One vLLM server for the whole test session, on a freshly generated tiny model."""
-    workdir = Path(tempfile.mkdtemp(prefix="trajstore-vllm-"))
-    model = build_tiny_model(workdir / "model")
-    server = VllmServer(model, free_port(), log_file=workdir / "vllm.log")
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 @pytest.fixture
