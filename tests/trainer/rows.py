@@ -1,0 +1,76 @@
+"""Rows for the `samples` table, written straight into it, for tests of its readers.
+
+The projection's own tests cover how rows get there; these tests cover what readers do with
+them, so they write rows with exactly the columns a test is about.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+import numpy as np
+
+from store.samples import PROJECTION_VERSION
+from store.tokens import encode_logprobs, encode_token_ids
+
+
+def sample_row(
+    *,
+    session_id: str = "s-1",
+    run_id: str = "run-1",
+    group_id: str | None = "g-1",
+    reward: float | None = 1.0,
+    prompt: Sequence[int] = (1, 2, 3),
+    completion: Sequence[int] = (4, 5),
+    status: str = "completed",
+    is_final: bool = True,
+    branch: int = 0,
+    tags: Sequence[str] = (),
+    finished_at: datetime | None = datetime(2026, 1, 1, tzinfo=UTC),
+    policy_versions: Sequence[int] = (0,),
+    projection_version: int = PROJECTION_VERSION,
+    sample_id: uuid.UUID | None = None,
+) -> dict[str, Any]:
+    """One sample's columns; logprobs of the completion are -0.1, -0.2, ... (0 on the prompt)."""
+    tokens = [*prompt, *completion]
+    mask = [0] * len(prompt) + [1] * len(completion)
+    logprobs = [0.0] * len(prompt) + [-0.1 * (i + 1) for i in range(len(completion))]
+    return {
+        "sample_id": sample_id or uuid.uuid5(uuid.NAMESPACE_URL, f"{session_id}/{branch}"),
+        "projection_version": projection_version,
+        "session_id": session_id,
+        "run_id": run_id,
+        "group_id": group_id,
+        "branch": branch,
+        "is_final": is_final,
+        "status": status,
+        "reward": reward,
+        "token_ids": encode_token_ids(np.array(tokens, dtype=np.int32)),
+        "loss_mask": bytes(mask),
+        "logprobs": encode_logprobs(np.array(logprobs, dtype=np.float32)),
+        "prompt_len": len(prompt),
+        "response_len": len(completion),
+        "n_turns": 1,
+        "tool_turns": 0,
+        "policy_versions": [str(v) for v in policy_versions],
+        "engines": [],
+        "last_position": 1,
+        "tags": list(tags),
+        "finished_at": finished_at,
+        "policy_version_min": min(policy_versions) if policy_versions else None,
+        "policy_version_max": max(policy_versions) if policy_versions else None,
+    }
+
+
+async def insert_samples(conn: asyncpg.Connection, rows: Sequence[dict[str, Any]]) -> None:
+    """Insert rows (all with the same columns) into `samples`."""
+    columns = list(rows[0])
+    placeholders = ", ".join(f"${i + 1}" for i in range(len(columns)))
+    await conn.executemany(
+        f"INSERT INTO samples ({', '.join(columns)}) VALUES ({placeholders})",
+        [[row[c] for c in columns] for row in rows],
+    )

@@ -1,0 +1,35 @@
+"""Every error the trainer side raises, rooted at one class.
+
+    TrainerError
+    ├── BadSelection        a `Selection` or replay parameter cannot be used as given
+    ├── StepNotFound        the ledger has no such training run or step
+    ├── SampleGone          a sample a recorded step used is no longer in the projection
+    └── StepAlreadyRecorded a training step was recorded already (the ledger never holds it twice)
+
+Store errors (`store.errors.StoreError`) pass through unchanged: they already say what failed.
+"""
+
+from __future__ import annotations
+
+
+class TrainerError(Exception):
+    """The trainer failed."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class BadSelection(TrainerError, ValueError):
+    """The selection or replay parameters cannot be used as given."""
+
+
+class StepNotFound(TrainerError, LookupError):
+    """The ledger has no such training run or step."""
+
+
+class SampleGone(TrainerError, LookupError):
+    """A sample that a recorded training step used is no longer in the samples projection."""
+
+
+class StepAlreadyRecorded(TrainerError):
+    """This training step is already in the ledger; a step is recorded once."""
