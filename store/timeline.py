@@ -5,7 +5,10 @@ of every event up to P. "Up to P" means the log's global order, `(tx_id, positio
 position: a transaction that started earlier may commit a smaller position after P was written
 (see `store.queries.READ_ALL`). As of P we therefore keep the events ordered at or before the event
 at P, which is exactly what a reader whose checkpoint is P had seen. P must be the position of an
-event (any session's); the timeline prints every event's position to pick from.
+event (any session's); the timeline prints every event's position to pick from. Unlike the
+projector, time travel does not wait below the horizon: a transaction older than P's that is still
+open may yet add events before P, so the answer for P is final once those have ended (at once, in
+practice: writers keep transactions short).
 
 - `session_as_of`: the session as `store.sessions.rebuild_session` makes it, from its events up
   to P (or all of them).
@@ -22,7 +25,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from store import queries
 from store.connection import unavailable_as_store_error
 from store.errors import StoreError
 from store.events import EventType, RecordedEvent, request_stream
@@ -31,8 +33,19 @@ from store.projection import SESSION_FACTS
 from store.samples import Sample, build_samples
 from store.sessions import SessionRecord, TurnRecord, rebuild_session
 
-#: How many session facts `samples_as_of` reads per query.
-_FACTS_PER_READ = 1000
+# This belongs in store/queries.py with the other statements; it lives here until that file is
+# free to edit. No horizon (unlike the projector's reads): time travel asks about a point that was
+# committed already, and waiting for unrelated transactions still open would only hide sessions.
+SESSIONS_WITH_FACTS_UP_TO = """
+SELECT session_id FROM (
+    SELECT DISTINCT ON (session_id) session_id, tx_id, position FROM events
+    WHERE (tx_id, position) <= ($1::xid8, $2::int8)
+      AND event_type = ANY($3::text[])
+      AND session_id IS NOT NULL
+    ORDER BY session_id, tx_id, position
+) AS first_fact
+ORDER BY tx_id, position
+"""
 
 
 class SessionNotFound(StoreError, LookupError):
@@ -79,21 +92,9 @@ async def session_as_of(
 
 async def sessions_with_facts_up_to(store: EventStore, point: LogPoint) -> list[str]:
     """Sessions with a finish, discard or reward at or before `point`, in order of first fact."""
-    seen: dict[str, None] = {}
-    after: LogPoint = (0, 0)
-    async with unavailable_as_store_error(), store.pool.acquire() as conn:
-        while True:
-            rows = await conn.fetch(
-                queries.READ_SESSION_FACTS, after[0], after[1], SESSION_FACTS, _FACTS_PER_READ
-            )
-            for row in rows:
-                if (int(row["tx_id"]), row["position"]) > point:
-                    return list(seen)
-                if row["session_id"]:
-                    seen.setdefault(row["session_id"])
-            if len(rows) < _FACTS_PER_READ:
-                return list(seen)
-            after = (int(rows[-1]["tx_id"]), rows[-1]["position"])
+    async with unavailable_as_store_error():
+        rows = await store.pool.fetch(SESSIONS_WITH_FACTS_UP_TO, point[0], point[1], SESSION_FACTS)
+    return [row["session_id"] for row in rows]
 
 
 async def samples_as_of(store: EventStore, as_of: int) -> list[Sample]:

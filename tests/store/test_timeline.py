@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import asyncpg
 import numpy as np
 import pytest
 
@@ -184,6 +186,28 @@ async def test_as_of_follows_the_logs_commit_order_not_the_bare_position(
     assert [r["value"] for r in as_of_a.rewards] == [0.5, 0.25]
 
 
+async def projected(store: EventStore, n_rows: int) -> list[asyncpg.Record]:
+    """The samples table once the projector has caught up.
+
+    The projector reads below the horizon, which a transaction open anywhere on the server (other
+    tests) holds back for a moment; so project until the rows are there, or fail after 30 s.
+    """
+    projector = Projector(store)
+    rows: list[asyncpg.Record] = []
+
+    async def caught_up() -> bool:
+        nonlocal rows
+        await projector.run_once()
+        rows = await store.pool.fetch("SELECT * FROM samples ORDER BY session_id, branch")
+        return len(rows) >= n_rows
+
+    for _ in range(300):
+        if await caught_up():
+            return rows
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the projector wrote {len(rows)} of {n_rows} samples within 30 s")
+
+
 async def test_the_samples_projection_as_of_a_position(store: EventStore) -> None:
     early = await record_tool_session(store, "early")
     late = Recorder(store, "late")
@@ -207,8 +231,7 @@ async def test_the_samples_projection_as_of_a_position(store: EventStore) -> Non
     assert [(s.session.session_id, s.session.reward) for s in now] == [("early", -1.0)]
 
     # As of the head, time travel and the real projection agree sample for sample.
-    await Projector(store).run_once()
-    rows = await store.pool.fetch("SELECT * FROM samples ORDER BY session_id, branch")
+    rows = await projected(store, len(now))
     assert [r["sample_id"] for r in rows] == [s.sample_id for s in now]
     assert [np.frombuffer(r["token_ids"], "<i4").tolist() for r in rows] == [
         s.token_ids for s in now
