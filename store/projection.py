@@ -8,6 +8,13 @@ one transaction, so a projector killed at any point resumes with no sample lost 
 
 Discarded and unfinished sessions have no samples; failed, aborted and timed-out ones do, with
 their status (the trainer leaves them out by default).
+
+Versions: every row carries the projection version it was written for, and `projection_serving`
+names the version readers use. A live projector follows the served version. `rebuild()` projects
+the whole log into a new version beside it (readers keep the old one meanwhile), then switches
+readers over and drops the old rows in one transaction; the live projector picks the new version
+up at its next batch. Sample ids do not depend on the version, so a training ledger written
+against the old version still finds its samples after a rebuild.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import asyncpg
@@ -24,7 +32,7 @@ from store.connection import close_quietly, connect, unavailable_as_store_error
 from store.errors import StoreUnavailable
 from store.events import EventType, RecordedEvent
 from store.eventstore import EventStore
-from store.samples import PROJECTION_VERSION, Sample, build_samples
+from store.samples import Sample, build_samples
 from store.schema import NOTIFY_CHANNEL
 from store.sessions import rebuild_session
 from store.tokens import encode_logprobs, encode_token_ids
@@ -39,12 +47,22 @@ SESSION_FACTS = [
 ]
 
 
-def sample_row(sample: Sample, last_position: int) -> tuple[Any, ...]:
+def _integer_versions(versions: list[str]) -> tuple[int | None, int | None]:
+    """Lowest and highest policy version, when every one is an integer (a step number)."""
+    try:
+        numbers = [int(v) for v in versions]
+    except ValueError:
+        return None, None
+    return (min(numbers), max(numbers)) if numbers else (None, None)
+
+
+def sample_row(sample: Sample, last_position: int, version: int) -> tuple[Any, ...]:
     """A `samples` row, in `queries.SAMPLE_COLUMNS` order."""
     session = sample.session
+    tags = session.metadata.get("tags") if isinstance(session.metadata, dict) else None
     return (
         sample.sample_id,
-        PROJECTION_VERSION,
+        version,
         session.session_id,
         session.run_id,
         session.task_id,
@@ -66,35 +84,96 @@ def sample_row(sample: Sample, last_position: int) -> tuple[Any, ...]:
         sample.engines,
         None if sample.divergence is None else sample.divergence.as_json(),
         last_position,
+        [str(t) for t in tags] if isinstance(tags, list) else [],
+        session.recorded_created_at,
+        session.recorded_finished_at,
+        *_integer_versions(sample.policy_versions),
     )
 
 
 class Projector:
     """Keeps the `samples` table up to date with the log (one checkpoint per name/version)."""
 
-    def __init__(self, store: EventStore, *, name: str = "samples", batch_size: int = 500) -> None:
+    def __init__(
+        self,
+        store: EventStore,
+        *,
+        name: str = "samples",
+        version: int | None = None,
+        batch_size: int = 500,
+    ) -> None:
         self.store = store
         self.name = name
-        self.version = PROJECTION_VERSION
+        self.version = version  # None: whichever version readers are served
         self.batch_size = batch_size
 
-    async def run_once(self) -> int:
+    async def run_once(self, progress: Callable[[int], None] | None = None) -> int:
         """Project everything committed so far; return how many session projections it made.
 
         A session counts once per batch that touched it (its reward and its finish may fall in
-        two batches); projecting a session again replaces its rows.
+        two batches); projecting a session again replaces its rows. `progress` is told how many
+        facts each batch consumed.
         """
         total = 0
         while True:
             async with unavailable_as_store_error(), self.store.pool.acquire() as conn:
-                done = await self._project_batch(conn)
-            total += done
-            if done == 0:
+                sessions, facts = await self._project_batch(conn)
+            total += sessions
+            if progress is not None and facts:
+                progress(facts)
+            if facts == 0:
                 return total
 
-    async def _project_batch(self, conn: asyncpg.Connection) -> int:
+    async def served_version(self) -> int:
+        """The version readers are served (version 1 from the first projection on)."""
+        async with unavailable_as_store_error(), self.store.pool.acquire() as conn:
+            return await self._served_version(conn)
+
+    async def _served_version(self, conn: asyncpg.Connection) -> int:
+        version = await conn.fetchval(queries.READ_SERVED_VERSION, self.name)
+        if version is None:
+            await conn.execute(queries.SERVE_FIRST_VERSION, self.name)
+            version = await conn.fetchval(queries.READ_SERVED_VERSION, self.name)
+        return int(version)
+
+    async def rebuild(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Project the whole log into a new version, then serve it; return that version.
+
+        Readers keep the served version while the new one is written. The switch (and the
+        removal of the old version's rows and checkpoint) is one transaction. `progress` gets
+        (facts done, facts in all) as the rebuild goes.
+        """
+        async with unavailable_as_store_error(), self.store.pool.acquire() as conn:
+            served = await self._served_version(conn)
+            new = int(await conn.fetchval(queries.LATEST_VERSION, self.name)) + 1
+            total = int(await conn.fetchval(queries.COUNT_SESSION_FACTS, SESSION_FACTS))
+        done = 0
+
+        def advance(facts: int) -> None:
+            nonlocal done
+            done += facts
+            if progress is not None:
+                progress(done, max(total, done))
+
+        builder = type(self)(self.store, name=self.name, version=new, batch_size=self.batch_size)
+        await builder.run_once(advance)
+        async with (
+            unavailable_as_store_error(),
+            self.store.pool.acquire() as conn,
+            conn.transaction(),
+        ):
+            await conn.execute(queries.SWITCH_SERVED_VERSION, self.name, new)
+            await conn.execute(queries.DELETE_VERSION_SAMPLES, served)
+            await conn.execute(queries.DELETE_CHECKPOINT, self.name, served)
+        log.info("projection %s: version %d rebuilt and served (was %d)", self.name, new, served)
+        return new
+
+    async def _project_batch(self, conn: asyncpg.Connection) -> tuple[int, int]:
         async with conn.transaction():
-            checkpoint = await conn.fetchrow(queries.READ_CHECKPOINT, self.name, self.version)
+            version = self.version
+            if version is None:
+                version = await self._served_version(conn)
+            checkpoint = await conn.fetchrow(queries.READ_CHECKPOINT, self.name, version)
             tx_id, position = (
                 (checkpoint["tx_id"], checkpoint["position"]) if checkpoint else (0, 0)
             )
@@ -102,16 +181,16 @@ class Projector:
                 queries.READ_SESSION_FACTS, tx_id, position, SESSION_FACTS, self.batch_size
             )
             if not facts:
-                return 0
+                return 0, 0
             sessions = list(dict.fromkeys(row["session_id"] for row in facts if row["session_id"]))
             for session_id in sessions:
-                await self._project_session(conn, session_id)
+                await self._project_session(conn, session_id, version)
             last = facts[-1]
             await conn.execute(
-                queries.WRITE_CHECKPOINT, self.name, self.version, last["tx_id"], last["position"]
+                queries.WRITE_CHECKPOINT, self.name, version, last["tx_id"], last["position"]
             )
             await self.before_commit(conn)
-        return len(sessions)
+        return len(sessions), len(facts)
 
     async def run_forever(self, poll_interval: float = 1.0) -> None:
         """Project what is there, then follow the log: woken by NOTIFY, polling as the truth."""
@@ -144,14 +223,16 @@ class Projector:
     async def before_commit(self, conn: asyncpg.Connection) -> None:
         """Called inside the transaction, after everything is written (a hook for tests)."""
 
-    async def _project_session(self, conn: asyncpg.Connection, session_id: str) -> None:
+    async def _project_session(
+        self, conn: asyncpg.Connection, session_id: str, version: int
+    ) -> None:
         events = [RecordedEvent(r) for r in await conn.fetch(queries.READ_SESSION, session_id)]
         session = rebuild_session(session_id, events)
-        await conn.execute(queries.DELETE_SESSION_SAMPLES, session_id, self.version)
+        await conn.execute(queries.DELETE_SESSION_SAMPLES, session_id, version)
         if session.status == "active" or session.discarded is not None:
             return  # never samples: not finished yet, or excluded from training
         last_position = max(e.position for e in events)
-        records = [sample_row(s, last_position) for s in build_samples(session)]
+        records = [sample_row(s, last_position, version) for s in build_samples(session)]
         if records:
             await conn.copy_records_to_table(
                 "samples", records=records, columns=queries.SAMPLE_COLUMNS

@@ -104,5 +104,34 @@ SAMPLE_COLUMNS = (
     "sample_id", "projection_version", "session_id", "run_id", "task_id", "group_id", "branch",
     "alternative_of", "is_final", "status", "finish_reason", "reward", "token_ids", "loss_mask",
     "logprobs", "prompt_len", "response_len", "n_turns", "tool_turns", "policy_versions",
-    "engines", "divergence", "last_position",
+    "engines", "divergence", "last_position", "tags", "created_at", "finished_at",
+    "policy_version_min", "policy_version_max",
 )  # fmt: skip
+
+#: The version readers are served; FOR SHARE so a rebuild's switch waits for batches in flight.
+READ_SERVED_VERSION = "SELECT version FROM projection_serving WHERE name = $1 FOR SHARE"
+
+SERVE_FIRST_VERSION = """
+INSERT INTO projection_serving (name, version) VALUES ($1, 1) ON CONFLICT (name) DO NOTHING
+"""
+
+LATEST_VERSION = """
+SELECT greatest(
+    (SELECT max(version) FROM projection_serving WHERE name = $1),
+    (SELECT max(version) FROM projection_checkpoints WHERE name = $1)
+)
+"""
+
+SWITCH_SERVED_VERSION = """
+UPDATE projection_serving SET version = $2, switched_at = now() WHERE name = $1
+"""
+
+DELETE_VERSION_SAMPLES = "DELETE FROM samples WHERE projection_version = $1"
+
+DELETE_CHECKPOINT = "DELETE FROM projection_checkpoints WHERE name = $1 AND version = $2"
+
+#: How many facts a projection from scratch will read (the progress bar's total).
+COUNT_SESSION_FACTS = """
+SELECT count(*) FROM events
+WHERE event_type = ANY($1::text[]) AND tx_id < pg_snapshot_xmin(pg_current_snapshot())
+"""

@@ -31,6 +31,8 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP, UUID
 from sqlalchemy.dialects.postgresql.base import ischema_names
 from sqlalchemy.types import UserDefinedType
 
+from store import views
+
 #: The channel live subscribers LISTEN on. Notifications carry no payload: they are a wake-up.
 NOTIFY_CHANNEL = "trajstore_events"
 
@@ -91,7 +93,7 @@ def _ddl(statement: str) -> DDL:
 samples = Table(
     "samples",
     metadata,
-    Column("sample_id", UUID(as_uuid=True), primary_key=True),
+    Column("sample_id", UUID(as_uuid=True), nullable=False),
     Column("projection_version", Integer, nullable=False),
     Column("session_id", Text, nullable=False),
     Column("run_id", Text),
@@ -115,8 +117,30 @@ samples = Table(
     Column("divergence", JSONB),
     Column("last_position", BigInteger, nullable=False),
     Column("projected_at", TIMESTAMP(timezone=True), nullable=False, server_default=text("now()")),
+    Column("tags", ARRAY(Text), nullable=False, server_default=text("'{}'::text[]")),
+    Column("created_at", TIMESTAMP(timezone=True)),  # the session's creation
+    Column("finished_at", TIMESTAMP(timezone=True)),  # the session's finish
+    # Integer policy versions of the sample's turns (NULL when one is not an integer).
+    Column("policy_version_min", BigInteger),
+    Column("policy_version_max", BigInteger),
+    # Live readers (the trainer) tail rows in (projected_tx, projected_seq) order below the
+    # horizon, exactly as readers of the log do (see queries.READ_ALL).
+    Column("projected_tx", XID8, nullable=False, server_default=text("pg_current_xact_id()")),
+    Column("projected_seq", BigInteger, Identity(always=True), nullable=False),
+    # The same sample id in two projection versions (a rebuild) is the same sample.
+    PrimaryKeyConstraint("projection_version", "sample_id"),
     Index(None, "projection_version", "run_id"),
     Index(None, "session_id"),
+    Index(None, "projected_tx", "projected_seq"),
+)
+
+#: Which projection version readers are served (a rebuild writes a new one, then switches).
+projection_serving = Table(
+    "projection_serving",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("version", Integer, nullable=False),
+    Column("switched_at", TIMESTAMP(timezone=True), nullable=False, server_default=text("now()")),
 )
 
 #: Where each projection has read the log up to, written in the same transaction as its output.
@@ -173,3 +197,9 @@ $$"""
 
 for _statement in EVENTS_DDL:
     event.listen(events, "after_create", _statement)
+
+# The views and the reader role come after every table (they read events and samples).
+for _sql in views.CREATE:
+    event.listen(metadata, "after_create", _ddl(_sql))
+for _sql in views.DROP:
+    event.listen(metadata, "before_drop", _ddl(_sql))

@@ -27,6 +27,7 @@ fields training needs the agent asked for itself (the proxy always asks the engi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -121,6 +122,8 @@ class SessionRecord:
     metadata: dict[str, Any] = field(default_factory=dict)
     deadline_s: float | None = None
     created_at: float | None = None
+    recorded_created_at: datetime | None = None  # when the store recorded its creation
+    recorded_finished_at: datetime | None = None  # ... and its (last) finish
     status: str = "active"  # active | completed | aborted | error | timeout
     finish_reason: str | None = None
     discarded: str | None = None  # the reason, when discarded
@@ -175,11 +178,13 @@ def rebuild_session(session_id: str, events: list[RecordedEvent]) -> SessionReco
                 session.metadata = payload.get("metadata") or {}
                 session.deadline_s = payload.get("deadline_s")
                 session.created_at = payload.get("created_at")
+                session.recorded_created_at = event.recorded_at
             case EventType.REWARD_ASSIGNED:
                 session.rewards.append(payload)
             case EventType.SESSION_FINISHED:
                 session.status = payload.get("status", "completed")
                 session.finish_reason = payload.get("reason")
+                session.recorded_finished_at = event.recorded_at
             case EventType.SESSION_DISCARDED:
                 session.discarded = payload.get("reason") or "discarded"
             case EventType.REQUEST_RECEIVED:

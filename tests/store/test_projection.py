@@ -130,20 +130,51 @@ async def test_killed_between_writing_and_committing_it_resumes_without_loss_or_
     assert await Projector(store).run_once() == 0  # nothing new: nothing doubled
 
 
-async def test_a_rebuild_from_event_zero_gives_the_same_samples(store: EventStore) -> None:
+async def test_a_rebuild_writes_a_new_version_beside_the_served_one_then_switches(
+    store: EventStore,
+) -> None:
     await record_session(store, "s1", [([1, 10], [20]), ([1, 99, 20], [40])])  # diverges
-    await Projector(store).run_once()
+    await record_session(store, "s2", [([1, 10], [30])])
+    projector = Projector(store, batch_size=1)
+    await projector.run_once()
     before = [dict(r) for r in await samples_of(store)]
-    await store.pool.execute("DELETE FROM samples")
-    await store.pool.execute("DELETE FROM projection_checkpoints")
-    await Projector(store).run_once()
-    after = [dict(r) for r in await samples_of(store)]
-    drop = {"projected_at"}
-    assert [{k: v for k, v in r.items() if k not in drop} for r in after] == [
-        {k: v for k, v in r.items() if k not in drop} for r in before
+    assert {r["projection_version"] for r in before} == {1}
+
+    seen: list[tuple[int, int]] = []
+    served_during: list[int] = []
+
+    def progress(done: int, total: int) -> None:
+        seen.append((done, total))
+
+    async def served_rows() -> list[asyncpg.Record]:
+        return await store.pool.fetch(
+            "SELECT s.* FROM samples s JOIN projection_serving p"
+            " ON p.name = 'samples' AND p.version = s.projection_version"
+            " ORDER BY session_id, branch"
+        )
+
+    # While the rebuild runs, readers of the served version still get every old row.
+    class Watching(Projector):
+        async def before_commit(self, conn: asyncpg.Connection) -> None:
+            served_during.append(len(await served_rows()))
+
+    rebuilder = Watching(store, batch_size=1)
+    assert await rebuilder.rebuild(progress) == 2
+    assert served_during and set(served_during) == {len(before)}
+    assert seen[-1] == (4, 4)  # two sessions: a reward and a finish each
+
+    after = [dict(r) for r in await served_rows()]
+    unversioned = {"projected_at", "projected_tx", "projected_seq", "projection_version"}
+    assert [{k: v for k, v in r.items() if k not in unversioned} for r in after] == [
+        {k: v for k, v in r.items() if k not in unversioned} for r in before
     ]
-    assert len(after) == 2
-    assert after[1]["divergence"] is not None  # jsonb, as raw JSON bytes on store connections
+    assert len(after) == 3 and after[1]["divergence"] is not None
+    # The old version is gone; the live projector now follows the new one.
+    assert {r["projection_version"] for r in await samples_of(store)} == {2}
+    await record_session(store, "s3", [([1, 10], [50])])
+    assert await projector.run_once() == 2  # s3's reward and finish, one batch each
+    assert {r["projection_version"] for r in await samples_of(store)} == {2}
+    assert len(await served_rows()) == 4
 
 
 async def test_live_projection_follows_new_sessions(store: EventStore) -> None:

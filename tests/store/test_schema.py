@@ -39,6 +39,11 @@ CATALOG_QUERIES = {
     "functions": """
         SELECT proname, pg_get_functiondef(oid) FROM pg_proc
         WHERE pronamespace = 'public'::regnamespace ORDER BY 1""",
+    "views": """
+        SELECT viewname, definition FROM pg_views WHERE schemaname = 'public' ORDER BY 1""",
+    "grants": """
+        SELECT table_name, privilege_type FROM information_schema.role_table_grants
+        WHERE grantee = 'trajstore_reader' ORDER BY 1, 2""",
 }
 
 
@@ -76,6 +81,10 @@ async def test_migrations_produce_exactly_the_declared_schema(
         assert migrated[name] == declared[name], name
     assert len(migrated["triggers"]) == 4
     assert len(migrated["functions"]) == 2
+    assert [view for view, _ in migrated["views"]] == ["trajectories", "turns"]
+    assert migrated["grants"] == [
+        ("samples", "SELECT"), ("trajectories", "SELECT"), ("turns", "SELECT")
+    ]  # fmt: skip
 
 
 async def test_downgrade_to_base_removes_everything_and_upgrade_restores_it(
@@ -87,6 +96,7 @@ async def test_downgrade_to_base_removes_everything_and_upgrade_restores_it(
     assert emptied["triggers"] == []
     assert emptied["functions"] == []
     assert emptied["columns"] == []
+    assert emptied["views"] == emptied["grants"] == []
     await asyncio.to_thread(migrations.upgrade, database_url)
     assert await catalog(database_url) == before
 

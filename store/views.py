@@ -1,0 +1,180 @@
+"""SQL for people: the `turns` and `trajectories` views, and the read-only `trajstore_reader` role.
+
+The views read the event log itself (the source of truth), so they are never stale; `samples`
+is a table (the projection). Together they answer questions such as "mean reward per run and
+policy version" in one SELECT; the README lists tested examples.
+
+`turns` — one row per model request: the messages the agent sent, the completion text and tool
+calls, finish reason, token counts, latency and time to first token, engine, policy version.
+
+`trajectories` — one row per session: run, task, group, status, reward, turns, tool turns,
+tokens, duration, engines, policy versions, and the divergences its samples recorded (from the
+served projection version).
+
+`trajstore_reader` can SELECT these two views and `samples`, and nothing else: not the events
+table, not a write anywhere. Roles belong to the whole PostgreSQL cluster, so the role is created
+once if missing and never dropped by a downgrade (it may hold grants in other databases); a
+downgrade only takes its grants away. Give it to a person with `GRANT trajstore_reader TO alice`.
+
+The migrations create exactly these statements; `tests/store/test_schema.py` proves the migrated
+catalog equals the one built from `store.schema`.
+"""
+
+from __future__ import annotations
+
+READER_ROLE = "trajstore_reader"
+
+# One statement per string: the asyncpg driver prepares statements, one command each.
+TURNS_VIEW = """
+CREATE VIEW turns AS
+SELECT
+    r.session_id,
+    r.run_id,
+    r.payload ->> 'request_id' AS request_id,
+    r.position,
+    r.recorded_at AS started_at,
+    r.payload ->> 'api' AS api,
+    r.payload ->> 'engine' AS engine,
+    r.payload ->> 'policy_version' AS policy_version,
+    (r.payload ->> 'stream')::boolean AS stream,
+    r.payload -> 'body' -> 'messages' AS messages,
+    r.payload -> 'body' -> 'tools' AS tools,
+    r.payload -> 'sampling' AS sampling,
+    CASE e.event_type
+        WHEN 'completion_finished' THEN 'completed'
+        WHEN 'request_failed' THEN 'failed'
+        ELSE 'in_progress'
+    END AS status,
+    e.payload -> 'choices' -> 0 ->> 'finish_reason' AS finish_reason,
+    c.completion_text,
+    CASE WHEN jsonb_typeof(e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls') = 'array'
+        THEN e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls'
+    END AS tool_calls,
+    CASE WHEN jsonb_typeof(e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls') = 'array'
+        THEN jsonb_array_length(e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls')
+        ELSE 0
+    END AS n_tool_calls,
+    coalesce(p.prompt_tokens, 0) AS prompt_tokens,
+    coalesce(c.completion_tokens, 0) AS completion_tokens,
+    (e.payload ->> 'latency_s')::float8 AS latency_s,
+    (e.payload ->> 'ttft_s')::float8 AS ttft_s,
+    CASE WHEN e.event_type = 'request_failed' THEN e.payload ->> 'reason' END AS failure
+FROM events r
+LEFT JOIN LATERAL (
+    SELECT octet_length(token_ids) / 4 AS prompt_tokens FROM events
+    WHERE stream_id = r.stream_id AND event_type = 'prompt_tokens'
+    LIMIT 1
+) p ON true
+LEFT JOIN LATERAL (
+    SELECT
+        string_agg(payload ->> 'text', '' ORDER BY stream_version)
+            FILTER (WHERE coalesce((payload ->> 'choice')::int, 0) = 0) AS completion_text,
+        sum(octet_length(token_ids) / 4)::int AS completion_tokens
+    FROM events
+    WHERE stream_id = r.stream_id AND event_type = 'completion_chunk'
+) c ON true
+LEFT JOIN LATERAL (
+    SELECT event_type, payload FROM events
+    WHERE stream_id = r.stream_id AND event_type IN ('completion_finished', 'request_failed')
+    ORDER BY stream_version DESC
+    LIMIT 1
+) e ON true
+WHERE r.event_type = 'request_received'
+"""
+
+TRAJECTORIES_VIEW = """
+CREATE VIEW trajectories AS
+SELECT
+    s.session_id,
+    s.run_id,
+    s.payload ->> 'task_id' AS task_id,
+    s.payload ->> 'group_id' AS group_id,
+    s.payload -> 'metadata' AS metadata,
+    s.recorded_at AS created_at,
+    f.recorded_at AS finished_at,
+    coalesce(f.payload ->> 'status', 'active') AS status,
+    f.payload ->> 'reason' AS finish_reason,
+    d.session_id IS NOT NULL AS discarded,
+    d.payload ->> 'reason' AS discard_reason,
+    (w.payload ->> 'value')::float8 AS reward,
+    coalesce(t.turns, 0) AS turns,
+    coalesce(t.tool_turns, 0) AS tool_turns,
+    coalesce(t.failed_turns, 0) AS failed_turns,
+    coalesce(t.prompt_tokens, 0) AS prompt_tokens,
+    coalesce(t.completion_tokens, 0) AS completion_tokens,
+    extract(epoch FROM f.recorded_at - s.recorded_at)::float8 AS duration_s,
+    coalesce(t.engines, '{}') AS engines,
+    coalesce(t.policy_versions, '{}') AS policy_versions,
+    coalesce(v.divergences, 0) AS divergences,
+    coalesce(v.divergence_reasons, '{}') AS divergence_reasons
+FROM events s
+LEFT JOIN LATERAL (
+    SELECT payload, recorded_at FROM events
+    WHERE session_id = s.session_id AND event_type = 'session_finished'
+    ORDER BY tx_id DESC, position DESC
+    LIMIT 1
+) f ON true
+LEFT JOIN LATERAL (
+    SELECT session_id, payload FROM events
+    WHERE session_id = s.session_id AND event_type = 'session_discarded'
+    ORDER BY tx_id DESC, position DESC
+    LIMIT 1
+) d ON true
+LEFT JOIN LATERAL (
+    SELECT payload FROM events
+    WHERE session_id = s.session_id AND event_type = 'reward_assigned'
+    ORDER BY tx_id DESC, position DESC
+    LIMIT 1
+) w ON true
+LEFT JOIN LATERAL (
+    SELECT
+        count(*)::int AS turns,
+        (count(*) FILTER (WHERE n_tool_calls > 0))::int AS tool_turns,
+        (count(*) FILTER (WHERE status = 'failed'))::int AS failed_turns,
+        sum(prompt_tokens)::int AS prompt_tokens,
+        sum(completion_tokens)::int AS completion_tokens,
+        array_agg(DISTINCT engine) FILTER (WHERE engine IS NOT NULL) AS engines,
+        array_agg(DISTINCT policy_version)
+            FILTER (WHERE policy_version IS NOT NULL) AS policy_versions
+    FROM turns WHERE session_id = s.session_id
+) t ON true
+LEFT JOIN LATERAL (
+    SELECT
+        (count(*) FILTER (WHERE divergence IS NOT NULL))::int AS divergences,
+        array_agg(divergence ->> 'reason' ORDER BY branch)
+            FILTER (WHERE divergence IS NOT NULL) AS divergence_reasons
+    FROM samples
+    WHERE session_id = s.session_id
+      AND alternative_of IS NULL
+      AND projection_version = (
+          SELECT version FROM projection_serving WHERE name = 'samples'
+      )
+) v ON true
+WHERE s.event_type = 'session_created'
+"""
+
+CREATE_READER_ROLE = f"""
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{READER_ROLE}') THEN
+        CREATE ROLE {READER_ROLE} NOLOGIN;
+    END IF;
+END
+$$"""
+
+#: What `upgrade` runs, in order, after the tables exist.
+CREATE = [
+    TURNS_VIEW,
+    TRAJECTORIES_VIEW,
+    CREATE_READER_ROLE,
+    f"GRANT USAGE ON SCHEMA public TO {READER_ROLE}",
+    f"GRANT SELECT ON turns, trajectories, samples TO {READER_ROLE}",
+]
+
+#: What `downgrade` runs, in order, before the tables go (the role stays: see above).
+DROP = [
+    f"REVOKE SELECT ON turns, trajectories, samples FROM {READER_ROLE}",
+    f"REVOKE USAGE ON SCHEMA public FROM {READER_ROLE}",
+    "DROP VIEW trajectories",
+    "DROP VIEW turns",
+]
