@@ -1,0 +1,153 @@
+"""Replay against a real `samples` table: order, batches, advantages, refusals, live tailing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from store import EventStore
+from tests.trainer.rows import insert_samples, sample_row
+from trainer.collate import sample_ids
+from trainer.errors import BadSelection
+from trainer.replay import LiveCheckpoint, replay, replay_live
+from trainer.selection import Selection
+
+
+def group_rows(n_groups: int, per_group: int = 2, **kwargs: Any) -> list[dict[str, Any]]:
+    """Groups whose members get rewards 0, 1, ...; completions of varying length."""
+    return [
+        sample_row(session_id=f"s-{g}-{m}", group_id=f"g-{g}", reward=float(m),
+                   completion=list(range(10, 11 + (g + m) % 4)), **kwargs)
+        for g in range(n_groups)
+        for m in range(per_group)
+    ]  # fmt: skip
+
+
+async def collect(store: EventStore, **kwargs: Any) -> list[TensorDict]:
+    return [batch async for batch in replay(store, **kwargs)]
+
+
+async def insert(store: EventStore, rows: list[dict[str, Any]]) -> None:
+    async with store.pool.acquire() as conn:
+        await insert_samples(conn, rows)
+
+
+async def test_the_same_seed_gives_the_same_batches_and_another_seed_another_order(
+    store: EventStore,
+) -> None:
+    await insert(store, group_rows(8))
+    first = await collect(store, batch_size=4, seed=1)
+    again = await collect(store, batch_size=4, seed=1)
+    other = await collect(store, batch_size=4, seed=2)
+    assert [b.shape[0] for b in first] == [4, 4, 4, 4]
+    assert [sample_ids(b) for b in first] == [sample_ids(b) for b in again]
+    assert all((a == b).all() for a, b in zip(first, again, strict=True))
+    ids = [i for b in first for i in sample_ids(b)]
+    assert len(set(ids)) == 16  # every selected sample once
+    assert ids != [i for b in other for i in sample_ids(b)]
+
+
+async def test_batches_carry_the_stored_tokens_and_group_advantages(store: EventStore) -> None:
+    await insert(store, group_rows(1, prompt=(1, 2, 3)))
+    (batch,) = await collect(store, batch_size=2, shuffle=False)
+    by_session = {s["session_id"]: r for r, s in enumerate(batch.get_non_tensor("samples"))}
+    low, high = by_session["s-0-0"], by_session["s-0-1"]
+    assert batch["input_ids"][low, :4].tolist() == [1, 2, 3, 10]
+    assert batch["loss_mask"][low, :4].tolist() == [False, False, False, True]
+    assert batch["logprobs"][low, 3].item() == pytest.approx(-0.1)
+    # rewards 0 and 1 in one group: advantages -1 and +1 on the generated tokens
+    assert batch["advantages"][low, 3].item() == pytest.approx(-1.0, abs=1e-5)
+    assert batch["advantages"][high, 3].item() == pytest.approx(1.0, abs=1e-5)
+    assert batch["rewards"][high, 0].item() == 1.0
+
+
+async def test_packing_fills_rows_up_to_the_budget(store: EventStore) -> None:
+    await insert(store, group_rows(6))
+    batches = await collect(store, token_budget=16, pack=True, batch_size=2)
+    for batch in batches:
+        assert batch["input_ids"].shape[1] <= 16
+        assert batch["segment_ids"].max().item() >= 2  # samples of 4 to 7 tokens share rows
+    assert sum(len(sample_ids(b)) for b in batches) == 12
+
+
+async def test_staleness_is_counted_from_the_current_policy_version(store: EventStore) -> None:
+    old = sample_row(session_id="old", group_id=None, policy_versions=[2, 4])
+    await insert(store, [old, sample_row(session_id="new", group_id=None, policy_versions=[5])])
+    selection = Selection(current_policy_version=5, max_staleness=2)
+    (batch,) = await collect(store, selection=selection, batch_size=8)
+    assert [s["session_id"] for s in batch.get_non_tensor("samples")] == ["new"]
+    assert batch["staleness"][0, 0].item() == 0
+    assert batch["policy_version"][0, 0].item() == 5
+
+
+async def test_samples_without_a_reward_are_refused_with_the_fix(store: EventStore) -> None:
+    await insert(store, [sample_row(session_id="pending", reward=None)])
+    with pytest.raises(BadSelection, match=r"no reward yet.*'pending'.*min_reward"):
+        await collect(store, batch_size=2)
+    assert await collect(store, selection=Selection(min_reward=0.0), batch_size=2) == []
+
+
+async def test_replay_opens_its_own_connection_from_a_url(
+    store: EventStore, database_url: str
+) -> None:
+    await insert(store, group_rows(1))
+    batches = [b async for b in replay(database_url, batch_size=2)]
+    assert torch.equal(
+        batches[0]["input_ids"], (await collect(store, batch_size=2))[0]["input_ids"]
+    )
+
+
+# -- live ------------------------------------------------------------------------------------
+
+
+async def live(store: EventStore, **kwargs: Any) -> list[tuple[TensorDict, LiveCheckpoint]]:
+    kwargs.setdefault("poll_interval", 0.05)
+    kwargs.setdefault("idle_timeout", 0.2)
+    return [item async for item in replay_live(store, **kwargs)]
+
+
+async def test_live_replay_waits_for_complete_groups_and_resumes_without_repeats(
+    store: EventStore,
+) -> None:
+    rows = group_rows(3, per_group=2)
+    await insert(store, rows[:3])  # group 0 complete, group 1 half there
+    first = await live(store, batch_size=2, group_size=2)
+    assert len(first) == 1
+    batch, checkpoint = first[0]
+    assert sorted(s["session_id"] for s in batch.get_non_tensor("samples")) == ["s-0-0", "s-0-1"]
+    assert checkpoint.pending == (str(rows[2]["sample_id"]),)
+
+    await insert(store, rows[3:])
+    resumed = await live(store, batch_size=2, group_size=2, checkpoint=checkpoint)
+    delivered = [s["session_id"] for b, _ in resumed for s in b.get_non_tensor("samples")]
+    assert sorted(delivered) == ["s-1-0", "s-1-1", "s-2-0", "s-2-1"]
+    # a whole group in one batch: advantages -1 and +1
+    assert sorted(round(s["advantage"]) for s in resumed[0][0].get_non_tensor("samples")) == [-1, 1]
+
+
+async def test_a_re_projected_sample_is_not_delivered_twice_unless_asked(
+    store: EventStore,
+) -> None:
+    row = sample_row(session_id="s", group_id=None, reward=None)
+    await insert(store, [row])
+    assert await live(store, batch_size=1) == []  # no reward yet: it waits
+    async with store.pool.acquire() as conn:  # the reward arrives: the session is re-projected
+        await conn.execute("DELETE FROM samples WHERE session_id = 's'")
+        await insert_samples(conn, [{**row, "reward": 1.0}])
+    ((batch, checkpoint),) = await live(store, batch_size=1)
+    assert batch["rewards"][0, 0].item() == 1.0
+
+    async with store.pool.acquire() as conn:  # a later re-projection, e.g. another reward
+        await conn.execute("DELETE FROM samples WHERE session_id = 's'")
+        await insert_samples(conn, [{**row, "reward": 0.5}])
+    assert await live(store, batch_size=1, checkpoint=checkpoint) == []
+    again = await live(store, batch_size=1, checkpoint=checkpoint, redeliver=True)
+    assert again[0][0]["rewards"][0, 0].item() == 0.5
+
+
+def test_a_live_checkpoint_round_trips_through_json() -> None:
+    checkpoint = LiveCheckpoint(7, 3, frozenset({"a", "b"}), ("c",))
+    assert LiveCheckpoint.from_json(checkpoint.as_json()) == checkpoint

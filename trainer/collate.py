@@ -1,0 +1,226 @@
+"""Samples into tensor batches: padding to the longest, or packing several samples per row.
+
+A batch is a `tensordict.TensorDict` with one entry per row (`batch_size=[rows]`); every tensor
+is `[rows, length]`, token by token, so a trainer can split it into micro-batches with
+`batch.split(n)`:
+
+    input_ids       int64    the sample's token ids (0 on padding)
+    attention_mask  bool     True on real tokens, False on padding
+    position_ids    int64    0, 1, 2, ... restarting at every sample (0 on padding)
+    segment_ids     int64    1, 2, ... for the 1st, 2nd, ... sample in the row; 0 on padding
+    loss_mask       bool     True where the model generated the token (train on it)
+    logprobs        float32  the behaviour policy's logprob of the token (0 on prompt/padding;
+                             NaN where the engine did not report one)
+    rewards         float32  the sample's reward, on each of its tokens
+    advantages      float32  the sample's advantage, on each of its tokens
+    policy_version  int64    the oldest policy version of the sample's turns (-1: unknown)
+    staleness       int64    current policy version - policy_version (-1: unknown)
+
+and one non-tensor entry, `samples`: a list with one dict per sample, in row order (sample_id,
+session_id, row, reward, advantage, policy_version, staleness, n_tokens, checksum). It belongs to
+the whole batch (a split repeats it). It is what the training ledger records.
+
+Packing: samples are laid one after another in a row (next fit: a sample that does not fit
+starts a new row, so the order is kept). Position ids restart per sample, so a packed row gives
+each sample the positions it would have alone. To attend per sample, build the mask with
+`block_causal_mask(segment_ids)`: token i sees token j only when both are in the same sample and
+j <= i. Models that take only a 2-D attention mask would let samples of a row see each other:
+use padding (the default) with them.
+"""
+
+from __future__ import annotations
+
+import uuid
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from tensordict import TensorDict
+
+from trainer.errors import BadSelection
+
+
+@dataclass(frozen=True)
+class ReplaySample:
+    """One sample as a batch needs it: its arrays and what the replay computed for it."""
+
+    sample_id: uuid.UUID
+    session_id: str
+    token_ids: npt.NDArray[np.int32]
+    loss_mask: npt.NDArray[np.uint8]
+    logprobs: npt.NDArray[np.float32]
+    reward: float
+    advantage: float
+    policy_version: int  #: -1 when unknown
+    staleness: int  #: -1 when unknown
+
+    @property
+    def checksum(self) -> int:
+        """CRC-32 of the stored arrays: tells a rebuild whether the sample still holds the same."""
+        crc = zlib.crc32(self.token_ids.tobytes())
+        crc = zlib.crc32(self.loss_mask.tobytes(), crc)
+        return zlib.crc32(self.logprobs.tobytes(), crc)
+
+    def describe(self, row: int) -> dict[str, Any]:
+        """The JSON-able record of this sample in a batch (see the module docstring)."""
+        return {
+            "sample_id": str(self.sample_id),
+            "session_id": self.session_id,
+            "row": row,
+            "reward": self.reward,
+            "advantage": self.advantage,
+            "policy_version": self.policy_version,
+            "staleness": self.staleness,
+            "n_tokens": int(self.token_ids.shape[0]),
+            "checksum": self.checksum,
+        }
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How samples become rows and batches.
+
+    - padding (`pack=False`): one sample per row, padded to the longest in the batch. A batch
+      holds `batch_size` samples, or as many as keep rows x longest <= `token_budget`, or both
+      limits (the first reached ends the batch).
+    - packing (`pack=True`): rows of at most `token_budget` tokens, several samples each;
+      `batch_size` is rows per batch (default 1).
+    """
+
+    batch_size: int | None = None
+    token_budget: int | None = None
+    pack: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "token_budget"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise BadSelection(f"{name} must be a positive integer, got {value!r}")
+        if self.pack and self.token_budget is None:
+            raise BadSelection("pack=True needs token_budget (the length of a packed row)")
+        if not self.pack and self.batch_size is None and self.token_budget is None:
+            raise BadSelection("give batch_size or token_budget (or both)")
+
+    def plan(self, lengths: Sequence[int], names: Sequence[object]) -> list[list[list[int]]]:
+        """Batches of rows of sample indices, in the given order; `names` name samples in errors."""
+        budget = self.token_budget
+        for index, length in enumerate(lengths):
+            if budget is not None and length > budget:
+                raise BadSelection(
+                    f"sample {names[index]} has {length} tokens, more than token_budget={budget}; "
+                    "raise the budget or select shorter samples"
+                )
+        return self._plan_packed(lengths) if self.pack else self._plan_padded(lengths)
+
+    def _plan_padded(self, lengths: Sequence[int]) -> list[list[list[int]]]:
+        batches: list[list[list[int]]] = []
+        rows: list[list[int]] = []
+        longest = 0
+        for index, length in enumerate(lengths):
+            longest_with = max(longest, length)
+            full = (self.batch_size is not None and len(rows) == self.batch_size) or (
+                self.token_budget is not None and (len(rows) + 1) * longest_with > self.token_budget
+            )
+            if rows and full:
+                batches.append(rows)
+                rows, longest_with = [], length
+            rows.append([index])
+            longest = longest_with
+        if rows:
+            batches.append(rows)
+        return batches
+
+    def _plan_packed(self, lengths: Sequence[int]) -> list[list[list[int]]]:
+        assert self.token_budget is not None
+        rows_per_batch = self.batch_size or 1
+        batches: list[list[list[int]]] = []
+        rows: list[list[int]] = []
+        used = 0
+        for index, length in enumerate(lengths):
+            if rows and used + length <= self.token_budget:
+                rows[-1].append(index)
+                used += length
+                continue
+            if len(rows) == rows_per_batch:
+                batches.append(rows)
+                rows = []
+            rows.append([index])
+            used = length
+        if rows:
+            batches.append(rows)
+        return batches
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-able view, for the training ledger."""
+        return {"batch_size": self.batch_size, "token_budget": self.token_budget, "pack": self.pack}
+
+
+def collate(rows: Sequence[Sequence[ReplaySample]]) -> TensorDict:
+    """One batch: each inner sequence is a row (one sample when padding, several when packing)."""
+    n_rows = len(rows)
+    width = max(sum(int(s.token_ids.shape[0]) for s in row) for row in rows)
+    input_ids = np.zeros((n_rows, width), np.int64)
+    position_ids = np.zeros((n_rows, width), np.int64)
+    segment_ids = np.zeros((n_rows, width), np.int64)
+    loss_mask = np.zeros((n_rows, width), np.bool_)
+    logprobs = np.zeros((n_rows, width), np.float32)
+    rewards = np.zeros((n_rows, width), np.float32)
+    advantages = np.zeros((n_rows, width), np.float32)
+    policy_version = np.full((n_rows, width), -1, np.int64)
+    staleness = np.full((n_rows, width), -1, np.int64)
+    positions = np.arange(width, dtype=np.int64)
+    described: list[dict[str, Any]] = []
+    for r, row in enumerate(rows):
+        at = 0
+        for segment, sample in enumerate(row, start=1):
+            n = int(sample.token_ids.shape[0])
+            span = slice(at, at + n)
+            input_ids[r, span] = sample.token_ids
+            position_ids[r, span] = positions[:n]
+            segment_ids[r, span] = segment
+            loss_mask[r, span] = sample.loss_mask
+            logprobs[r, span] = sample.logprobs
+            rewards[r, span] = sample.reward
+            advantages[r, span] = sample.advantage
+            policy_version[r, span] = sample.policy_version
+            staleness[r, span] = sample.staleness
+            described.append(sample.describe(r))
+            at += n
+    batch = TensorDict(
+        {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(segment_ids > 0),
+            "position_ids": torch.from_numpy(position_ids),
+            "segment_ids": torch.from_numpy(segment_ids),
+            "loss_mask": torch.from_numpy(loss_mask),
+            "logprobs": torch.from_numpy(logprobs),
+            "rewards": torch.from_numpy(rewards),
+            "advantages": torch.from_numpy(advantages),
+            "policy_version": torch.from_numpy(policy_version),
+            "staleness": torch.from_numpy(staleness),
+        },
+        batch_size=[n_rows],
+    )
+    batch.set_non_tensor("samples", described)
+    return batch
+
+
+def sample_ids(batch: TensorDict) -> list[str]:
+    """The ids of a batch's samples, in row order (what the ledger records)."""
+    return [entry["sample_id"] for entry in batch.get_non_tensor("samples")]
+
+
+def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """`[rows, 1, length, length]` bool: i attends j iff same sample (segment > 0) and j <= i.
+
+    The 4-D mask Hugging Face models accept in place of a 2-D one, for packed rows.
+    """
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    real = (segment_ids > 0)[:, :, None]
+    length = segment_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
+    return (same & real & causal)[:, None, :, :]

@@ -1,0 +1,400 @@
+"""Replay recorded samples as training batches: a finished selection (`replay`), or samples as
+sessions finish (`replay_live`, for asynchronous RL).
+
+`replay` reads the selection's index (ids, rewards, lengths) first, orders it, computes GRPO
+advantages over the whole selection (`trainer.advantages`), plans batches (`trainer.collate`),
+then reads the packed arrays batch by batch, so memory holds one batch of arrays at a time.
+
+Order: samples are sorted by id, then shuffled with `numpy.random.default_rng(seed)`; the same
+selection over the same rows and the same seed give the same batches, in the same order.
+
+Rewards: a GRPO advantage needs a reward, so `replay` refuses a selection that holds samples
+without one (and says how to leave them out). `replay_live` waits for them: a reward that
+arrives after the finish re-projects the session, and the tail sees the sample again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+import numpy as np
+from tensordict import TensorDict
+
+from store import EventStore
+from store.connection import unavailable_as_store_error
+from store.tokens import decode_logprobs, decode_token_ids
+from trainer import queries
+from trainer.advantages import group_advantages
+from trainer.collate import Layout, ReplaySample, collate
+from trainer.errors import BadSelection, SampleGone
+from trainer.selection import Selection
+
+log = logging.getLogger(__name__)
+
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """A selected sample before its arrays are read."""
+
+    sample_id: uuid.UUID
+    session_id: str
+    group_id: str | None
+    reward: float | None
+    n_tokens: int
+    policy_version_min: int | None
+
+
+@contextlib.asynccontextmanager
+async def open_store(source: str | EventStore) -> AsyncIterator[EventStore]:
+    """The given store, or one opened on the given URL (and closed afterwards)."""
+    if isinstance(source, EventStore):
+        yield source
+        return
+    store = await EventStore.open(source, min_size=1, max_size=2)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def decode_arrays(token_ids: bytes, loss_mask: bytes, logprobs: bytes) -> Arrays:
+    """The stored bytes as numpy views (`store.tokens`), the loss mask as uint8."""
+    tokens = decode_token_ids(token_ids)
+    probs = decode_logprobs(logprobs)
+    assert tokens is not None and probs is not None
+    return tokens, np.frombuffer(loss_mask, dtype=np.uint8), probs
+
+
+async def read_index(
+    conn: asyncpg.Connection, selection: Selection
+) -> tuple[int | None, list[IndexEntry]]:
+    """The selected samples, sorted by id, and the projection version they were read from."""
+    where, arguments = selection.where()
+    rows = await conn.fetch(queries.SELECT_INDEX.format(where=where), *arguments)
+    version = rows[0]["projection_version"] if rows else None
+    return version, [
+        IndexEntry(
+            row["sample_id"],
+            row["session_id"],
+            row["group_id"],
+            row["reward"],
+            row["n_tokens"],
+            row["policy_version_min"],
+        )
+        for row in rows
+    ]
+
+
+async def read_arrays(
+    conn: asyncpg.Connection, version: int, ids: Sequence[uuid.UUID]
+) -> dict[uuid.UUID, Arrays]:
+    """The arrays of the given samples; `SampleGone` when one was removed meanwhile."""
+    rows = await conn.fetch(queries.READ_ARRAYS, version, list(ids))
+    found = {row["sample_id"]: decode_arrays(*row[1:]) for row in rows}
+    missing = [i for i in ids if i not in found]
+    if missing:
+        raise SampleGone(
+            f"{len(missing)} selected samples (e.g. {missing[0]}) left projection version "
+            f"{version} during the replay (a session discarded, or a rebuild switched versions); "
+            "start the replay again"
+        )
+    return found
+
+
+def shuffled(entries: list[IndexEntry], *, seed: int, shuffle: bool) -> list[IndexEntry]:
+    """The entries in the replay's order: by id, then a seeded permutation."""
+    if not shuffle:
+        return entries
+    permutation = np.random.default_rng(seed).permutation(len(entries))
+    return [entries[i] for i in permutation]
+
+
+def _check_rewards(entries: Sequence[IndexEntry]) -> None:
+    unrewarded = [e for e in entries if e.reward is None]
+    if unrewarded:
+        raise BadSelection(
+            f"{len(unrewarded)} selected samples have no reward yet (e.g. session "
+            f"{unrewarded[0].session_id!r}); assign rewards first, or leave them out with "
+            "Selection(min_reward=...) / Selection(max_reward=...)"
+        )
+
+
+def _sample(
+    entry: IndexEntry, arrays: Arrays, advantage: float, selection: Selection
+) -> ReplaySample:
+    tokens, mask, logprobs = arrays
+    assert entry.reward is not None
+    version = entry.policy_version_min
+    return ReplaySample(
+        entry.sample_id,
+        entry.session_id,
+        tokens,
+        mask,
+        logprobs,
+        float(entry.reward),
+        advantage,
+        -1 if version is None else int(version),
+        selection.staleness(version),
+    )
+
+
+async def replay(
+    source: str | EventStore,
+    selection: Selection | None = None,
+    *,
+    batch_size: int | None = None,
+    token_budget: int | None = None,
+    pack: bool = False,
+    seed: int = 0,
+    shuffle: bool = True,
+) -> AsyncIterator[TensorDict]:
+    """The selected samples as `TensorDict` batches (layout: `trainer.collate`), in seeded order.
+
+    `source` is a database URL or an open `EventStore`. Batches hold `batch_size` samples, or as
+    many as fit `token_budget` padded tokens; with `pack=True`, rows of up to `token_budget`
+    tokens holding several samples (`batch_size` rows per batch). One pass over the selection.
+    """
+    selection = selection or Selection()
+    layout = Layout(batch_size, token_budget, pack)
+    async with open_store(source) as store:
+        async with unavailable_as_store_error(), store.pool.acquire() as conn:
+            version, entries = await read_index(conn, selection)
+        if version is None:
+            return
+        _check_rewards(entries)
+        advantages = group_advantages(
+            [float(e.reward) for e in entries if e.reward is not None],
+            [e.group_id for e in entries],
+        )
+        advantage_of = {e.sample_id: a for e, a in zip(entries, advantages, strict=True)}
+        ordered = shuffled(entries, seed=seed, shuffle=shuffle)
+        plan = layout.plan([e.n_tokens for e in ordered], [e.sample_id for e in ordered])
+        for batch_rows in plan:
+            chosen = [ordered[i] for row in batch_rows for i in row]
+            async with unavailable_as_store_error(), store.pool.acquire() as conn:
+                arrays = await read_arrays(conn, version, [e.sample_id for e in chosen])
+            yield collate(
+                [
+                    [
+                        _sample(
+                            ordered[i],
+                            arrays[ordered[i].sample_id],
+                            advantage_of[ordered[i].sample_id],
+                            selection,
+                        )
+                        for i in row
+                    ]
+                    for row in batch_rows
+                ]
+            )
+
+
+# -- live ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LiveCheckpoint:
+    """Where a live replay stands; save it with the model, pass it back to resume.
+
+    `projected_tx`, `projected_seq`: the last `samples` row read. `delivered`: the sample ids
+    handed to the trainer (a re-projected sample is not handed over again). `pending`: ids read
+    but not yet in a batch (waiting for their group, or for a batch to fill); a resumed replay
+    reads them again first.
+    """
+
+    projected_tx: int = 0
+    projected_seq: int = 0
+    delivered: frozenset[str] = frozenset()
+    pending: tuple[str, ...] = ()
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-able view."""
+        return {
+            "projected_tx": self.projected_tx,
+            "projected_seq": self.projected_seq,
+            "delivered": sorted(self.delivered),
+            "pending": list(self.pending),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LiveCheckpoint:
+        """The inverse of `as_json`."""
+        return cls(
+            int(data["projected_tx"]),
+            int(data["projected_seq"]),
+            frozenset(data["delivered"]),
+            tuple(data["pending"]),
+        )
+
+
+@dataclass
+class _Held:
+    """A sample read by the tail and not yet delivered."""
+
+    entry: IndexEntry
+    arrays: Arrays
+    advantage: float | None = None  # set once its group is complete
+
+
+@dataclass
+class _LiveState:
+    tx: int
+    seq: int
+    delivered: set[str]
+    held: dict[uuid.UUID, _Held] = field(default_factory=dict)  # in arrival order
+
+    def checkpoint(self) -> LiveCheckpoint:
+        return LiveCheckpoint(
+            self.tx, self.seq, frozenset(self.delivered), tuple(str(i) for i in self.held)
+        )
+
+
+def _entry(row: asyncpg.Record) -> tuple[IndexEntry, Arrays]:
+    tokens, mask, logprobs = decode_arrays(row["token_ids"], row["loss_mask"], row["logprobs"])
+    entry = IndexEntry(
+        row["sample_id"],
+        row["session_id"],
+        row["group_id"],
+        row["reward"],
+        int(tokens.shape[0]),
+        row["policy_version_min"],
+    )
+    return entry, (tokens, mask, logprobs)
+
+
+def _release_groups(state: _LiveState, group_size: int | None) -> None:
+    """Give an advantage to every held sample whose group is complete (see `replay_live`)."""
+    groups: dict[str | None, list[_Held]] = {}
+    for held in state.held.values():
+        if held.advantage is None:
+            groups.setdefault(held.entry.group_id, []).append(held)
+    for group_id, members in groups.items():
+        if group_id is None:
+            for held in members:
+                held.advantage = 0.0
+            continue
+        if group_size is not None and len(members) < group_size:
+            continue
+        rewards = [float(h.entry.reward or 0.0) for h in members]
+        for held, advantage in zip(
+            members, group_advantages(rewards, [group_id] * len(members)), strict=True
+        ):
+            held.advantage = advantage
+
+
+async def replay_live(
+    source: str | EventStore,
+    selection: Selection | None = None,
+    *,
+    batch_size: int | None = None,
+    token_budget: int | None = None,
+    pack: bool = False,
+    group_size: int | None = None,
+    checkpoint: LiveCheckpoint | None = None,
+    redeliver: bool = False,
+    poll_interval: float = 0.5,
+    idle_timeout: float | None = None,
+    read_limit: int = 1000,
+) -> AsyncIterator[tuple[TensorDict, LiveCheckpoint]]:
+    """Batches of samples as their sessions finish, each with the checkpoint that follows it.
+
+    Samples are tailed in the order the projector committed them (the event log's rule: never
+    past a transaction still in flight), filtered by `selection`. A sample without a reward
+    waits: its session is re-projected when the reward arrives. A sample id already delivered
+    is not delivered again when its session is re-projected, unless `redeliver=True`.
+
+    Advantages: with `group_size`, a group's samples wait until `group_size` of them have
+    arrived, then are normalised together (GRPO); without it, the samples of a group that
+    arrived in one read are normalised together. Samples without a `group_id` get 0.
+
+    A batch is handed over once full (the planned batches of the held samples, all but a last
+    partial one). Save the checkpoint that comes with a batch once it is trained on; pass it
+    back to resume. `idle_timeout`: stop after that many seconds with nothing new (None: never).
+    """
+    selection = selection or Selection()
+    layout = Layout(batch_size, token_budget, pack)
+    start = checkpoint or LiveCheckpoint()
+    state = _LiveState(start.projected_tx, start.projected_seq, set(start.delivered))
+    where, arguments = selection.where()
+    n = len(arguments)
+    tail = queries.TAIL.format(where=where, tx=n + 1, seq=n + 2, limit=n + 3)
+    loop = asyncio.get_running_loop()
+    async with open_store(source) as store:
+        if start.pending:
+            await _reload_pending(store, start.pending, state)
+        idle_since = loop.time()
+        while True:
+            async with unavailable_as_store_error(), store.pool.acquire() as conn:
+                rows = await conn.fetch(tail, *arguments, state.tx, state.seq, read_limit)
+            for row in rows:
+                state.tx, state.seq = int(row["projected_tx"]), int(row["projected_seq"])
+                entry, arrays = _entry(row)
+                if str(entry.sample_id) in state.delivered and not redeliver:
+                    continue
+                if entry.reward is None:
+                    state.held.pop(entry.sample_id, None)  # an older copy may be held
+                    continue
+                state.held.pop(entry.sample_id, None)  # re-projected: keep the newest copy
+                state.held[entry.sample_id] = _Held(entry, arrays)
+            _release_groups(state, group_size)
+            for batch, after in _full_batches(state, layout, selection):
+                yield batch, after
+            if rows:
+                idle_since = loop.time()
+                if len(rows) == read_limit:
+                    continue
+            elif idle_timeout is not None and loop.time() - idle_since >= idle_timeout:
+                return
+            await asyncio.sleep(poll_interval)
+
+
+async def _reload_pending(store: EventStore, pending: Sequence[str], state: _LiveState) -> None:
+    """Read the samples a checkpoint held back; those gone from the projection are logged."""
+    ids = [uuid.UUID(i) for i in pending]
+    async with unavailable_as_store_error(), store.pool.acquire() as conn:
+        rows = await conn.fetch(queries.READ_SERVED_SAMPLES, ids)
+    by_id = {row["sample_id"]: row for row in rows}
+    for sample_id in ids:
+        row = by_id.get(sample_id)
+        if row is None:
+            log.warning("live replay: held sample %s left the projection; not delivered", sample_id)
+            continue
+        entry, arrays = _entry(row)
+        if entry.reward is not None:
+            state.held[sample_id] = _Held(entry, arrays)
+
+
+def _full_batches(
+    state: _LiveState, layout: Layout, selection: Selection
+) -> Iterator[tuple[TensorDict, LiveCheckpoint]]:
+    """The full batches the held samples make, each with the checkpoint right after it.
+
+    Every planned batch but the last is full; the last is full only when padding to a
+    `batch_size` it reaches (a packed or budgeted one might take more samples later).
+    """
+    ready = [h for h in state.held.values() if h.advantage is not None]
+    if not ready:
+        return
+    plan = layout.plan([h.entry.n_tokens for h in ready], [h.entry.sample_id for h in ready])
+    last_full = not layout.pack and len(plan[-1]) == layout.batch_size
+    for batch_rows in plan if last_full else plan[:-1]:
+        rows = []
+        for row in batch_rows:
+            samples = []
+            for i in row:
+                held = ready[i]
+                assert held.advantage is not None
+                samples.append(_sample(held.entry, held.arrays, held.advantage, selection))
+                del state.held[held.entry.sample_id]
+                state.delivered.add(str(held.entry.sample_id))
+            rows.append(samples)
+        yield collate(rows), state.checkpoint()
