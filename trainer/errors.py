@@ -4,6 +4,7 @@
     ├── BadSelection        a `Selection` or replay parameter cannot be used as given
     ├── StepNotFound        the ledger has no such training run or step
     ├── SampleGone          a sample a recorded step used is no longer in the projection
+    │   └── SampleChanged   ... or holds other tokens than it did at that step
     └── StepAlreadyRecorded a training step was recorded already (the ledger never holds it twice)
 
 Store errors (`store.errors.StoreError`) pass through unchanged: they already say what failed.
@@ -29,6 +30,10 @@ class StepNotFound(TrainerError, LookupError):
 
 class SampleGone(TrainerError, LookupError):
     """A sample that a recorded training step used is no longer in the samples projection."""
+
+
+class SampleChanged(SampleGone):
+    """A sample that a recorded training step used holds other tokens now than it did then."""
 
 
 class StepAlreadyRecorded(TrainerError):
