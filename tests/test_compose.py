@@ -162,3 +162,18 @@ async def test_the_projector_health_check_tells_a_running_projector_from_none(
     finally:
         projector.terminate()
         await projector.wait()
+
+
+def test_docs_name_every_setting_and_every_compose_variable() -> None:
+    from proxy.settings import ProxySettings
+    from store.settings import StoreSettings
+
+    docs = (ROOT / "docs" / "stack.md").read_text()
+    fields = [*StoreSettings.model_fields, *ProxySettings.model_fields]
+    compose_variables = re.findall(r"\$\{(\w+)", (ROOT / "compose.yaml").read_text())
+    missing = [
+        name
+        for name in [f"TRAJSTORE_{f.upper()}" for f in fields] + compose_variables
+        if f"`{name}`" not in docs
+    ]
+    assert missing == [], f"docs/stack.md does not describe {missing}"
