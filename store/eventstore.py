@@ -6,6 +6,8 @@ use `EventStore.writer()`, which batches many events into one transaction in the
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 from collections.abc import Sequence
 from types import TracebackType
@@ -49,6 +51,9 @@ def insert_columns(
         [e.token_bytes for e in events],
         [e.logprob_bytes for e in events],
     ]
+
+
+log = logging.getLogger(__name__)
 
 
 class EventStore:
@@ -188,6 +193,30 @@ class EventStore:
         if tx_id is None:
             raise BadEvent(f"no event at position {position}; pass 0 or a position read before")
         return int(tx_id)
+
+    async def settle(self, timeout: float = 10.0) -> bool:
+        """Wait until everything committed before this call is below the readers' horizon.
+
+        Readers stop below the oldest write transaction in flight *in the whole PostgreSQL
+        cluster* (see `queries.READ_ALL`), so an unrelated long transaction, even in another
+        database, holds them back. Returns False (and logs who is in the way) after `timeout`.
+        """
+        async with unavailable_as_store_error(), self.pool.acquire() as conn:
+            target = await conn.fetchval(queries.SNAPSHOT_XMAX)
+            deadline = asyncio.get_running_loop().time() + timeout
+            while await conn.fetchval(queries.SNAPSHOT_XMIN) < target:
+                if asyncio.get_running_loop().time() > deadline:
+                    blockers = await conn.fetch(queries.OLDEST_WRITERS)
+                    log.warning(
+                        "readers are held back by transactions still open: %s",
+                        ", ".join(
+                            f"pid {r['pid']} in {r['datname']} ({r['age']})" for r in blockers
+                        )
+                        or "(gone)",
+                    )
+                    return False
+                await asyncio.sleep(0.02)
+        return True
 
     async def head(self) -> int:
         """The highest position stored so far (0 when empty)."""

@@ -85,6 +85,7 @@ def sample_row(sample: Sample, last_position: int, version: int) -> tuple[Any, .
         None if sample.divergence is None else sample.divergence.as_json(),
         last_position,
         [str(t) for t in tags] if isinstance(tags, list) else [],
+        [session.turns[i].request_id for i in sample.turns],
         session.recorded_created_at,
         session.recorded_finished_at,
         *_integer_versions(sample.policy_versions),
@@ -107,13 +108,18 @@ class Projector:
         self.version = version  # None: whichever version readers are served
         self.batch_size = batch_size
 
-    async def run_once(self, progress: Callable[[int], None] | None = None) -> int:
+    async def run_once(
+        self, progress: Callable[[int], None] | None = None, *, settle: float = 10.0
+    ) -> int:
         """Project everything committed so far; return how many session projections it made.
 
         A session counts once per batch that touched it (its reward and its finish may fall in
         two batches); projecting a session again replaces its rows. `progress` is told how many
-        facts each batch consumed.
+        facts each batch consumed. It first waits up to `settle` seconds for the readers'
+        horizon to pass what was committed before the call (`EventStore.settle`).
         """
+        if settle > 0:
+            await self.store.settle(settle)
         total = 0
         while True:
             async with unavailable_as_store_error(), self.store.pool.acquire() as conn:
@@ -209,7 +215,8 @@ class Projector:
                         listener = None
                 wake.clear()
                 try:
-                    projected = await self.run_once()
+                    # Woken by a commit: wait for the horizon to pass it (usually at once).
+                    projected = await self.run_once(settle=min(poll_interval, 5.0))
                 except StoreUnavailable as exc:
                     log.warning("projector lost PostgreSQL (%s); retrying", exc)
                     projected = 0

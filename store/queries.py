@@ -72,6 +72,17 @@ LIMIT $3
 
 TX_ID_OF_POSITION = "SELECT tx_id FROM events WHERE position = $1"
 
+SNAPSHOT_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())"
+
+SNAPSHOT_XMAX = "SELECT pg_snapshot_xmax(pg_current_snapshot())"
+
+#: Who holds the horizon back: the oldest write transactions open anywhere in the cluster.
+OLDEST_WRITERS = """
+SELECT pid, datname, now() - xact_start AS age FROM pg_stat_activity
+WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
+ORDER BY xact_start LIMIT 3
+"""
+
 HEAD_POSITION = "SELECT coalesce(max(position), 0) FROM events"
 
 SCHEMA_PRESENT = "SELECT to_regclass('events') IS NOT NULL"
@@ -104,8 +115,8 @@ SAMPLE_COLUMNS = (
     "sample_id", "projection_version", "session_id", "run_id", "task_id", "group_id", "branch",
     "alternative_of", "is_final", "status", "finish_reason", "reward", "token_ids", "loss_mask",
     "logprobs", "prompt_len", "response_len", "n_turns", "tool_turns", "policy_versions",
-    "engines", "divergence", "last_position", "tags", "created_at", "finished_at",
-    "policy_version_min", "policy_version_max",
+    "engines", "divergence", "last_position", "tags", "request_ids", "created_at",
+    "finished_at", "policy_version_min", "policy_version_max",
 )  # fmt: skip
 
 #: The version readers are served; FOR SHARE so a rebuild's switch waits for batches in flight.

@@ -83,8 +83,8 @@ class Sample:
         logprobs = choice.logprobs if len(choice.logprobs) == len(choice.token_ids) else []
         self.logprobs.extend(logprobs or [float("nan")] * len(choice.token_ids))
         self.finish_reason = choice.finish_reason
-        if turn.body.get("tools") or turn.body.get("messages", [{}])[-1].get("role") == "tool":
-            self.tool_turns += 1
+        if choice.message and choice.message.get("tool_calls"):
+            self.tool_turns += 1  # the model called a tool (as `turns.n_tool_calls` counts)
         for value, seen in (
             (turn.policy_version, self.policy_versions),
             (turn.engine, self.engines),

@@ -118,6 +118,8 @@ samples = Table(
     Column("last_position", BigInteger, nullable=False),
     Column("projected_at", TIMESTAMP(timezone=True), nullable=False, server_default=text("now()")),
     Column("tags", ARRAY(Text), nullable=False, server_default=text("'{}'::text[]")),
+    # The model requests the sample was built from, in order (their streams: `request-<id>`).
+    Column("request_ids", ARRAY(Text), nullable=False, server_default=text("'{}'::text[]")),
     Column("created_at", TIMESTAMP(timezone=True)),  # the session's creation
     Column("finished_at", TIMESTAMP(timezone=True)),  # the session's finish
     # Integer policy versions of the sample's turns (NULL when one is not an integer).

@@ -42,6 +42,15 @@ def upgrade() -> None:
             server_default=sa.text("'{}'::text[]"),
         ),
     )
+    op.add_column(
+        "samples",
+        sa.Column(
+            "request_ids",
+            postgresql.ARRAY(sa.Text),
+            nullable=False,
+            server_default=sa.text("'{}'::text[]"),
+        ),
+    )
     op.add_column("samples", sa.Column("created_at", _TIMESTAMP))
     op.add_column("samples", sa.Column("finished_at", _TIMESTAMP))
     op.add_column("samples", sa.Column("policy_version_min", sa.BigInteger))
@@ -81,6 +90,6 @@ def downgrade() -> None:
     op.create_primary_key("pk_samples", "samples", ["sample_id"])
     for column in (
         "projected_seq", "projected_tx", "policy_version_max", "policy_version_min",
-        "finished_at", "created_at", "tags",
+        "finished_at", "created_at", "request_ids", "tags",
     ):  # fmt: skip
         op.drop_column("samples", column)

@@ -19,7 +19,10 @@ def turn(
     tools: bool = False,
     index: int = 0,
 ) -> TurnRecord:
-    body: dict[str, Any] = {"messages": [{"role": "tool" if tools else "user", "content": "x"}]}
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}]}
+    # `tools`: the completion calls a tool, as the recorder keeps it in the choice's message.
+    call = {"type": "function", "function": {"name": "add", "arguments": "{}"}}
+    message = {"role": "assistant", "tool_calls": [call]} if tools else None
     record = TurnRecord(
         request_id=f"r{index}-{len(prompt)}",
         api="chat",
@@ -34,7 +37,11 @@ def turn(
     )
     for i, ids in enumerate(choices):
         record.choices[i] = ChoiceRecord(
-            index=i, token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason=finish
+            index=i,
+            token_ids=ids,
+            logprobs=[-0.5] * len(ids),
+            finish_reason=finish,
+            message=message,
         )
     return record
 
@@ -47,8 +54,8 @@ def session(*turns: TurnRecord) -> SessionRecord:
 
 
 def test_turns_that_extend_make_one_sample_with_masks_and_logprobs() -> None:
-    t1 = turn([1, 10, 11], [20, 21, EOS])
-    t2 = turn([1, 10, 11, 20, 21, EOS, 30, 31], [40, EOS], tools=True)
+    t1 = turn([1, 10, 11], [20, 21, EOS], tools=True)
+    t2 = turn([1, 10, 11, 20, 21, EOS, 30, 31], [40, EOS])
     [sample] = build_samples(session(t1, t2))
     assert sample.token_ids == [1, 10, 11, 20, 21, EOS, 30, 31, 40, EOS]
     assert sample.loss_mask == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
