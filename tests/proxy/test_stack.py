@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -18,7 +19,8 @@ from openai import AsyncOpenAI
 
 from proxy.stack import cached_tiny_model
 from store import EventStore, EventType
-from tests.conftest import free_port
+from store.embedded import EmbeddedPostgres
+from tests.conftest import free_port, world_readable_tempdir
 from tests.proxy.fake_engine import FakeEngine
 
 
@@ -41,9 +43,9 @@ class Up:
         return out.decode(), err.decode()
 
 
-async def start_up(*args: str, data_dir: Path, startup_timeout: float = 60) -> Up:
+async def start_up(*args: str, data_dir: Path, startup_timeout: float = 60, **env_vars: str) -> Up:
     """Start `trajstore up` and read its banner, up to the last line of the agent example."""
-    env = {**os.environ, "TRAJSTORE_DATA_DIR": str(data_dir)}
+    env = {**os.environ, "TRAJSTORE_DATA_DIR": str(data_dir), **env_vars}
     env.pop("TRAJSTORE_DATABASE_URL", None)
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "store", *args,
@@ -195,6 +197,44 @@ def test_the_tiny_model_is_built_once_and_reused(tmp_path: Path) -> None:
     assert cached_tiny_model(tmp_path) == first
     assert weights.stat().st_mtime_ns == built_at  # not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == ["tiny-model"]  # no scratch left behind
+
+
+@pytest.mark.embedded
+@pytest.mark.slow
+async def test_with_no_database_url_up_runs_the_embedded_server_and_stops_it_if_it_started_it(
+    engine: FakeEngine,
+) -> None:
+    data_dir, pg_port = world_readable_tempdir("trajstore-up-"), free_port()
+    embedded = EmbeddedPostgres(data_dir, pg_port)
+
+    async def up_and_interrupt(*, check_tcp: bool) -> None:
+        up = await start_up("up", "--engine", engine.url, "--port", str(free_port()),
+                            data_dir=data_dir, TRAJSTORE_EMBEDDED_PORT=str(pg_port))  # fmt: skip
+        try:
+            # The printed SQL string is the TCP one, and the database behind it is migrated.
+            assert up.banner["sql"].startswith("postgresql://trajstore:")
+            assert f"@127.0.0.1:{pg_port}/" in up.banner["sql"]
+            # Over TCP only when the server stops next: the backend closes first, and its
+            # TIME_WAIT would make store.embedded's bind check refuse the port for a minute.
+            conn = await asyncpg.connect(up.banner["sql"] if check_tcp else embedded.url())
+            try:
+                assert await conn.fetchval("SELECT count(*) FROM samples") == 0
+            finally:
+                await conn.close()
+        finally:
+            _, err = await up.interrupt()
+        assert up.process.returncode == 0, err
+
+    try:
+        embedded.start()
+        await up_and_interrupt(check_tcp=False)
+        assert embedded.status().running  # it was running before `up`: it stays
+        embedded.stop()
+        await up_and_interrupt(check_tcp=True)
+        assert not embedded.status().running  # `up` started it, so `up` stopped it
+    finally:
+        embedded.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def _processes_mentioning(text: str) -> list[int]:
