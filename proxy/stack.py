@@ -22,7 +22,8 @@ import signal
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -133,6 +134,69 @@ def _start_local_vllm(data_dir: Path) -> VllmServer:
     return VllmServer(model_dir, port, served_model_name=LOCAL_MODEL_NAME, log_file=log_file)
 
 
+@dataclass
+class Backends:
+    """What the proxy is put in front of: a migrated database and engines."""
+
+    database_url: str  #: for the store (the embedded server's Unix socket, or the configured URL)
+    sql_url: str  #: for people and SQL tools (the embedded server's TCP URL)
+    engines: list[str]
+    model: str  #: what an agent passes as `model` (the first engine's first model)
+    local_vllm: bool  #: whether the engine is a vLLM started here
+
+
+@contextlib.contextmanager
+def backends(store_settings: StoreSettings, engines: list[str]) -> Iterator[Backends]:
+    """Start (or connect to) PostgreSQL, migrate it, start a local vLLM when no engine is named;
+    stop, on the way out, what was started here (the embedded server only if it was not
+    running before)."""
+    from store import migrations
+
+    embedded: EmbeddedPostgres | None = None
+    vllm: VllmServer | None = None
+    try:
+        with _sigterm_as_interrupt():
+            url, sql_url, embedded = _database(store_settings)
+            migrations.upgrade(url)
+            if not engines:
+                vllm = _start_local_vllm(store_settings.data_dir)
+                engines = [vllm.start()]
+            model = LOCAL_MODEL_NAME if vllm else served_model_name(engines[0]) or "MODEL"
+        yield Backends(url, sql_url, engines, model, vllm is not None)
+    finally:
+        if vllm is not None:
+            vllm.stop()
+        if embedded is not None:
+            embedded.stop()
+
+
+def proxy_settings(
+    engines: list[str],
+    host: str,
+    port: int,
+    next_free_port: bool,
+    public_url: str | None,
+    policy_version: str,
+) -> ProxySettings:
+    """The proxy's settings from its command-line options (and TRAJSTORE_* for the rest)."""
+    if port_in_use(host, port):
+        if not next_free_port:
+            raise click.ClickException(
+                f"port {port} on {host} is in use; choose another with --port, "
+                "or pass --next-free-port"
+            )
+        port = free_port_from(host, port)
+    return ProxySettings(
+        engines=engines, host=host, port=port, public_url=public_url, policy_version=policy_version
+    )
+
+
+def store_settings_of(ctx: click.Context) -> StoreSettings:
+    """The store settings the `trajstore` group made from its options."""
+    settings: StoreSettings | None = (ctx.find_object(dict) or {}).get("settings")
+    return settings or StoreSettings()
+
+
 @click.command("up")
 @click.option("--poll-interval", default=1.0, show_default=True,
               help="Seconds between the projector's polls (NOTIFY wakes it sooner).")  # fmt: skip
@@ -151,60 +215,59 @@ def up(
 
     With no --engine, starts a local vLLM on a generated tiny model. Ctrl-C stops all of it.
     """
-    from store import migrations
-
-    store_settings: StoreSettings = (ctx.find_object(dict) or {}).get("settings") or StoreSettings()
     urls = [u.strip() for e in engines for u in e.split(",") if u.strip()]
-    if port_in_use(host, port):
-        if not next_free_port:
-            raise click.ClickException(
-                f"port {port} on {host} is in use; choose another with --port, "
-                "or pass --next-free-port"
-            )
-        port = free_port_from(host, port)
-    settings = ProxySettings(
-        engines=urls, host=host, port=port, public_url=public_url, policy_version=policy_version
-    )
-    embedded: EmbeddedPostgres | None = None
-    vllm: VllmServer | None = None
-    try:
-        with _sigterm_as_interrupt():
-            url, sql_url, embedded = _database(store_settings)
-            migrations.upgrade(url)
-            model = None
-            if not urls:
-                vllm = _start_local_vllm(store_settings.data_dir)
-                urls = [vllm.start()]
-                settings.engines = urls
-                model = LOCAL_MODEL_NAME
-            model = model or served_model_name(urls[0]) or "MODEL"
+    settings = proxy_settings(urls, host, port, next_free_port, public_url, policy_version)
+    with backends(store_settings_of(ctx), urls) as found:
+        settings.engines = found.engines
 
         def announce(proxy_url: str) -> None:
             lines = [
                 f"proxy:     {proxy_url}",
-                f"engines:   {', '.join(urls)}" + (" (local vLLM)" if vllm else ""),
-                f"sql:       {sql_url}",
+                f"engines:   {', '.join(found.engines)}" + (" (local vLLM)" * found.local_vllm),
+                f"sql:       {found.sql_url}",
                 "projector: live, finished sessions become rows of `samples`",
                 "an agent, in five lines (pip install openai httpx):",
                 *("    " + line for line in agent_example(
-                    proxy_url, model, admin_key=settings.api_key is not None)),
+                    proxy_url, found.model, admin_key=settings.api_key is not None)),
                 "Ctrl-C stops everything `up` started.",
             ]  # fmt: skip
             click.echo("\n".join(lines))
 
-        asyncio.run(_serve(settings, url, poll_interval, announce))
-    finally:
-        if vllm is not None:
-            vllm.stop()
-        if embedded is not None:
-            embedded.stop()
-    click.echo("stopped" + (": proxy, projector, vLLM" if vllm else ": proxy, projector"))
+        asyncio.run(_serve_until_signal(settings, found.database_url, poll_interval, announce))
+    click.echo("stopped: proxy, projector" + (", vLLM" * found.local_vllm))
 
 
-async def _serve(
-    settings: ProxySettings, url: str, poll_interval: float, announce: Callable[[str], None]
-) -> None:
-    """Serve the proxy and run the projector until SIGINT or SIGTERM, then stop both."""
+class Running:
+    """The proxy and the projector, running as tasks of this event loop."""
+
+    def __init__(self, server: Any, serving: asyncio.Task[None], projecting: asyncio.Task[None],
+                 url: str) -> None:  # fmt: skip
+        self.server = server
+        self.serving = serving
+        self.projecting = projecting
+        self.url = url  #: where agents reach the proxy
+
+    async def wait(self, stop: asyncio.Event) -> None:
+        """Return when `stop` is set; raise if the proxy or the projector stopped first."""
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait(
+                {stopping, self.serving, self.projecting}, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            stopping.cancel()
+        for task, what in ((self.serving, "proxy"), (self.projecting, "projector")):
+            if task.done() and not stop.is_set():
+                task.result()  # raise why it stopped
+                raise click.ClickException(f"the {what} stopped; see the errors above")
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    settings: ProxySettings, database_url: str, poll_interval: float = 1.0
+) -> AsyncIterator[Running]:
+    """Serve the proxy and run the live projector until the block ends, then stop both (the
+    proxy's shutdown flushes its event writer)."""
     import uvicorn
 
     from proxy.app import create_app
@@ -212,47 +275,61 @@ async def _serve(
     from store.projection import Projector
 
     class Server(uvicorn.Server):
-        """uvicorn without its signal handlers: `up` handles the signals (module docstring)."""
+        """uvicorn without its signal handlers: the caller handles signals (module docstring)."""
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             yield
 
     config = uvicorn.Config(
-        create_app(settings, url), host=settings.host, port=settings.port,
+        create_app(settings, database_url), host=settings.host, port=settings.port,
         log_level="warning", access_log=False, lifespan="on",
     )  # fmt: skip
     server = Server(config)
-
-    def stop() -> None:
-        server.force_exit = server.should_exit  # a second signal: do not wait for open requests
+    store = await EventStore.open(database_url)
+    projecting = asyncio.create_task(Projector(store).run_forever(poll_interval))
+    serve = asyncio.create_task(server.serve())
+    try:
+        # uvicorn offers a `started` flag, no event to await.
+        while not server.started and not serve.done():  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        if not server.started:
+            await serve  # raises what stopped it, if anything did
+            raise click.ClickException("the proxy did not start; see the errors above")
+        url = settings.public_url or f"http://{settings.host}:{settings.port}"
+        yield Running(server, serve, projecting, url)
+    finally:
         server.should_exit = True
+        try:
+            await serve
+        finally:
+            projecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await projecting
+            await store.close()
+
+
+async def _serve_until_signal(
+    settings: ProxySettings, url: str, poll_interval: float, announce: Callable[[str], None]
+) -> None:
+    """Serve the proxy and run the projector until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    force: list[Running] = []
+
+    def on_signal() -> None:
+        if stop.is_set() and force:  # a second signal: do not wait for open requests
+            force[0].server.force_exit = True
+        stop.set()
 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop)
-    store = await EventStore.open(url)
-    projecting = asyncio.create_task(Projector(store).run_forever(poll_interval))
-    serving = asyncio.create_task(server.serve())
+        loop.add_signal_handler(signum, on_signal)
     try:
-        # uvicorn offers a `started` flag, no event to await.
-        while not server.started and not serving.done():  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-        if not server.started:
-            await serving  # raises what stopped it, if anything did
-            raise click.ClickException("the proxy did not start; see the errors above")
-        announce(settings.public_url or f"http://{settings.host}:{settings.port}")
-        # The proxy ends on a signal; the projector only if it fails, which stops the proxy too.
-        await asyncio.wait({serving, projecting}, return_when=asyncio.FIRST_COMPLETED)
-        server.should_exit = True
-        await serving
-        if projecting.done():
-            projecting.result()  # raise why the projector stopped
+        async with serving(settings, url, poll_interval) as running:
+            force.append(running)
+            announce(running.url)
+            await running.wait(stop)
     finally:
-        projecting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await projecting
-        await store.close()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
 
