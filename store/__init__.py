@@ -10,6 +10,7 @@ async with await EventStore.open(url) as store:
 
 from store.errors import (
     BadEvent,
+    BadQuery,
     ConcurrencyError,
     DuplicateEventError,
     EmbeddedServerError,
@@ -36,6 +37,7 @@ from store.writer import EventWriter
 
 __all__ = [
     "BadEvent",
+    "BadQuery",
     "ConcurrencyError",
     "DuplicateEventError",
     "EmbeddedServerError",

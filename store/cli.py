@@ -10,13 +10,15 @@ import contextlib
 import importlib
 import logging
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
 from store.embedded import EmbeddedPostgres, database_url
 from store.errors import StoreError
+from store.eventstore import EventStore
 from store.settings import StoreSettings
 
 #: Commands provided by other packages: name -> "module:attribute", imported on first use.
@@ -165,23 +167,138 @@ def migrate(ctx: click.Context, revision: str) -> None:
 
 @main.command()
 @click.option("--once", is_flag=True, help="Project what is there, then exit.")
+@click.option(
+    "--rebuild",
+    is_flag=True,
+    help="Rebuild from event 0 into a new version (readers keep the old one meanwhile), then "
+    "switch readers to it, and exit.",
+)
 @click.option("--poll-interval", default=1.0, show_default=True, help="Seconds between polls.")
 @click.pass_context
-def project(ctx: click.Context, once: bool, poll_interval: float) -> None:
+def project(ctx: click.Context, once: bool, rebuild: bool, poll_interval: float) -> None:
     """Turn finished sessions into training samples (the `samples` table), live."""
-    import asyncio
-
-    from store.eventstore import EventStore
     from store.projection import Projector
+
+    async def run(store: EventStore) -> None:
+        projector = Projector(store)
+        if rebuild:
+            with _progress() as bar:
+                task = bar.add_task("rebuilding samples", total=None)
+                version = await projector.rebuild(
+                    lambda done, total: bar.update(task, completed=done, total=total)
+                )
+            click.echo(f"rebuilt the samples projection as version {version}; readers use it now")
+        elif once:
+            click.echo(f"projected {await projector.run_once()} sessions")
+        else:
+            click.echo("projecting finished sessions into samples; Ctrl-C stops")
+            await projector.run_forever(poll_interval)
+
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how the live projector stops
+        _run_with_store(ctx, run)
+
+
+@main.command()
+@click.argument("query", required=False)
+@click.option("--max-width", default=60, show_default=True, help="Cut longer cells to this.")
+@click.pass_context
+def sql(ctx: click.Context, query: str | None, max_width: int) -> None:
+    """Run a read-only QUERY and print a table; with no QUERY, open psql on the store.
+
+    The views `trajectories`, `turns` and the `samples` table are documented in the README.
+    """
+    url = database_url(_settings(ctx))
+    if query is None:
+        _exec_psql(url)
+    from store.sql import print_query
+
+    async def run(store: EventStore) -> None:
+        await print_query(store, query, max_width=max_width)
+
+    _run_with_store(ctx, run)
+
+
+@main.command()
+@click.option("--run", "runs", multiple=True, help="Only this run (repeatable). Default: all.")
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    default=["completed"],
+    show_default=True,
+    help="Session statuses to include (repeatable; aborted, error, timeout are left out "
+    "unless asked for).",
+)
+@click.option(
+    "--format", "fmt", type=click.Choice(["parquet", "jsonl"]), default="parquet",
+    show_default=True,
+)  # fmt: skip
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Output file [default: samples.parquet or samples.jsonl].",
+)
+@click.pass_context
+def export(
+    ctx: click.Context, runs: tuple[str, ...], statuses: tuple[str, ...], fmt: str, out: Path | None
+) -> None:
+    """Write samples to Parquet or JSON Lines, one record per sample."""
+    from store import export as exporting
+
+    path = out or Path(f"samples.{fmt}")
+
+    async def run(store: EventStore) -> None:
+        total = await exporting.count(store, list(runs), list(statuses))
+        with _progress() as bar:
+            task = bar.add_task(f"exporting to {path}", total=total)
+            written = await exporting.export(
+                store, path, fmt=fmt, runs=list(runs), statuses=list(statuses),
+                progress=lambda n: bar.advance(task, n),
+            )  # fmt: skip
+        click.echo(f"wrote {written} samples to {path}")
+
+    _run_with_store(ctx, run)
+
+
+def _run_with_store(ctx: click.Context, body: Callable[[EventStore], Awaitable[None]]) -> None:
+    """Open the store (starting the embedded server when it is the store), run `body`, close."""
+    import asyncio
 
     async def run() -> None:
         async with await EventStore.open(database_url(_settings(ctx))) as store:
-            projector = Projector(store)
-            if once:
-                click.echo(f"projected {await projector.run_once()} sessions")
-            else:
-                click.echo("projecting finished sessions into samples; Ctrl-C stops")
-                await projector.run_forever(poll_interval)
+            await body(store)
 
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how the live projector stops
-        asyncio.run(run())
+    asyncio.run(run())
+
+
+def _progress() -> Any:
+    """A progress bar on stderr (stdout stays for results)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
+
+
+def _exec_psql(url: str) -> NoReturn:
+    """Replace this process with psql on `url` (the machine's psql, else the embedded one's)."""
+    import os
+    import shutil
+
+    from store.embedded import find_binaries
+
+    psql = shutil.which("psql")
+    if psql is None:
+        try:
+            psql = str(find_binaries() / "psql")
+        except StoreError as exc:
+            raise click.ClickException(
+                f'psql is not installed ({exc}); give a query: trajstore sql "SELECT ..."'
+            ) from exc
+    os.execv(psql, [psql, url])

@@ -11,6 +11,7 @@
     │   ├── WriterClosed            it was closed; nothing more is accepted
     │   └── WriteFailed             events it accepted could not be made durable
     ├── SchemaNotReady              the database has not been migrated (`trajstore migrate`)
+    ├── BadQuery                    a query given by a person (`trajstore sql`) failed
     └── EmbeddedServerError         the private PostgreSQL could not be set up, started or stopped
 
 Driver errors (asyncpg, OS errors) are re-raised as the most specific of these, `from` the
@@ -33,6 +34,10 @@ class BadEvent(StoreError, ValueError):
 
 class PayloadTooLarge(BadEvent):
     """The event's payload is larger than the store accepts."""
+
+
+class BadQuery(StoreError, ValueError):
+    """The query failed; the message is PostgreSQL's, which says what is wrong with it."""
 
 
 class ConcurrencyError(StoreError):

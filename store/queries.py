@@ -146,3 +146,32 @@ COUNT_SESSION_FACTS = """
 SELECT count(*) FROM events
 WHERE event_type = ANY($1::text[]) AND tx_id < pg_snapshot_xmin(pg_current_snapshot())
 """
+
+# -- export ---------------------------------------------------------------------------------------
+
+_EXPORT_FILTER = """
+FROM samples s
+WHERE s.projection_version = (SELECT version FROM projection_serving WHERE name = 'samples')
+  AND ($1::text[] IS NULL OR s.run_id = ANY($1::text[]))
+  AND ($2::text[] IS NULL OR s.status = ANY($2::text[]))
+"""
+
+COUNT_EXPORT = "SELECT count(*) " + _EXPORT_FILTER
+
+#: Keyset pages in (run, session, branch, sample id) order.
+READ_EXPORT = (
+    "SELECT s.*, s.sample_id::text AS order_key "
+    + _EXPORT_FILTER
+    + """
+  AND (coalesce(s.run_id, ''), s.session_id, s.branch, s.sample_id::text) > ($3, $4, $5, $6)
+ORDER BY coalesce(s.run_id, ''), s.session_id, s.branch, s.sample_id::text
+LIMIT $7
+"""
+)
+
+#: What a sample's last request asked and how the model replied (request streams, by index).
+READ_CONVERSATIONS = """
+SELECT stream_id, event_type, payload FROM events
+WHERE stream_id = ANY($1::text[]) AND event_type IN ('request_received', 'completion_finished')
+ORDER BY stream_id, stream_version
+"""

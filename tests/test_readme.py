@@ -49,7 +49,7 @@ def test_the_store_example_runs_and_prints_the_recorded_tokens(database_url: str
 
 
 async def test_the_sql_examples_run(database_url: str) -> None:
-    [sql] = code_blocks("sql")
+    sql = code_blocks("sql")[0]  # the event log's; the views' are tested in tests/store
     statements = [s.strip() for s in sql.split(";") if s.strip()]
     assert len(statements) >= 2
     conn = await asyncpg.connect(asyncpg_dsn(database_url))

@@ -1,0 +1,192 @@
+"""Export samples to Parquet (pyarrow, list columns) or JSON Lines, one record per sample.
+
+A record is what a trainer outside trajstore needs: token ids, loss mask, behaviour logprobs,
+reward, the conversation (the messages of the sample's last request and the model's reply),
+lengths, tool turns, finish reason, and provenance (run, session, task, group, branch, the
+requests it came from, engines, policy versions, projection version, divergence). Parquet files
+read back with `pandas.read_parquet` and `datasets.load_dataset("parquet", ...)`.
+
+Samples are read from the served projection version in batches, so an export of any size runs
+in bounded memory; `progress` is told how many records each batch wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from store import queries
+from store.events import request_stream
+from store.eventstore import EventStore
+
+FORMATS = ("parquet", "jsonl")
+
+_TOKENS = pa.list_(pa.int32())
+
+#: The Parquet schema; JSONL records carry the same fields.
+SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("run_id", pa.string()),
+        ("session_id", pa.string()),
+        ("task_id", pa.string()),
+        ("group_id", pa.string()),
+        ("branch", pa.int32()),
+        ("alternative_of", pa.int32()),
+        ("is_final", pa.bool_()),
+        ("status", pa.string()),
+        ("finish_reason", pa.string()),
+        ("reward", pa.float64()),
+        ("token_ids", _TOKENS),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("logprobs", pa.list_(pa.float32())),
+        ("prompt_len", pa.int32()),
+        ("response_len", pa.int32()),
+        ("n_turns", pa.int32()),
+        ("tool_turns", pa.int32()),
+        ("messages", pa.string()),  # JSON: the last request's messages and the reply
+        ("request_ids", pa.list_(pa.string())),
+        ("engines", pa.list_(pa.string())),
+        ("policy_versions", pa.list_(pa.string())),
+        ("tags", pa.list_(pa.string())),
+        ("divergence", pa.string()),  # JSON, or null for a session's first branch
+        ("projection_version", pa.int32()),
+        ("finished_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+
+async def count(store: EventStore, runs: list[str], statuses: list[str]) -> int:
+    """How many samples an export with these filters writes."""
+    return int(await store.pool.fetchval(queries.COUNT_EXPORT, runs or None, statuses or None))
+
+
+async def records(
+    store: EventStore, runs: list[str], statuses: list[str], batch_size: int = 500
+) -> AsyncIterator[list[dict[str, Any]]]:
+    """The export's records, a batch at a time, in (run, session, branch) order."""
+    after: tuple[str, str, int, str] = ("", "", -1, "")
+    while True:
+        rows = await store.pool.fetch(
+            queries.READ_EXPORT, runs or None, statuses or None, *after, batch_size
+        )
+        if not rows:
+            return
+        conversations = await _conversations(store, [_last_request(r) for r in rows])
+        yield [_record(row, conversations) for row in rows]
+        last = rows[-1]
+        after = (last["run_id"] or "", last["session_id"], last["branch"], last["order_key"])
+
+
+async def _conversations(store: EventStore, request_ids: list[str]) -> dict[str, Any]:
+    """request id -> its messages followed by the model's reply (or prompt and text)."""
+    streams = [request_stream(r) for r in request_ids]
+    messages: dict[str, Any] = {}
+    for row in await store.pool.fetch(queries.READ_CONVERSATIONS, streams):
+        payload = orjson.loads(row["payload"])
+        request_id = row["stream_id"].removeprefix("request-")
+        if row["event_type"] == "request_received":
+            body = payload.get("body") or {}
+            messages[request_id] = list(body.get("messages") or [])
+            if "prompt" in body:  # the completions API: the prompt as a user turn
+                messages[request_id].append({"role": "user", "content": body["prompt"]})
+        elif request_id in messages:
+            choices = payload.get("choices") or [{}]
+            reply = choices[0].get("message")
+            if reply is not None:
+                messages[request_id].append(reply)
+    return messages
+
+
+def _last_request(row: Any) -> str:
+    return str(row["request_ids"][-1]) if row["request_ids"] else ""
+
+
+def _record(row: Any, conversations: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "sample_id": str(row["sample_id"]),
+        "run_id": row["run_id"],
+        "session_id": row["session_id"],
+        "task_id": row["task_id"],
+        "group_id": row["group_id"],
+        "branch": row["branch"],
+        "alternative_of": row["alternative_of"],
+        "is_final": row["is_final"],
+        "status": row["status"],
+        "finish_reason": row["finish_reason"],
+        "reward": row["reward"],
+        "token_ids": np.frombuffer(row["token_ids"], "<i4"),
+        "loss_mask": np.frombuffer(row["loss_mask"], np.uint8),
+        "logprobs": np.frombuffer(row["logprobs"], "<f4"),
+        "prompt_len": row["prompt_len"],
+        "response_len": row["response_len"],
+        "n_turns": row["n_turns"],
+        "tool_turns": row["tool_turns"],
+        "messages": orjson.dumps(conversations.get(_last_request(row), [])).decode(),
+        "request_ids": row["request_ids"],
+        "engines": row["engines"],
+        "policy_versions": row["policy_versions"],
+        "tags": row["tags"],
+        "divergence": None if row["divergence"] is None else bytes(row["divergence"]).decode(),
+        "projection_version": row["projection_version"],
+        "finished_at": row["finished_at"],
+    }
+
+
+def _list_array(arrays: list[np.ndarray[Any, Any]], kind: pa.DataType) -> pa.Array:
+    """A list column from numpy arrays, with one copy of the values (no Python lists)."""
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    values = np.concatenate(arrays) if arrays else np.zeros(0)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=kind.value_type))
+
+
+def _table(batch: list[dict[str, Any]]) -> pa.Table:
+    columns = []
+    for field in SCHEMA:
+        values = [record[field.name] for record in batch]
+        if field.name in ("token_ids", "loss_mask", "logprobs"):
+            columns.append(_list_array(values, field.type))
+        else:
+            columns.append(pa.array(values, type=field.type))
+    return pa.Table.from_arrays(columns, schema=SCHEMA)
+
+
+def _jsonl(record: dict[str, Any]) -> bytes:
+    return orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE)
+
+
+async def export(
+    store: EventStore,
+    out: Path,
+    *,
+    fmt: str = "parquet",
+    runs: list[str] | None = None,
+    statuses: list[str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Write the selected samples to `out`; return how many records were written."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
+    written = 0
+    writer: pq.ParquetWriter | None = None
+    with out.open("wb") as sink:
+        if fmt == "parquet":
+            writer = pq.ParquetWriter(sink, SCHEMA)
+        async for batch in records(store, runs or [], statuses or []):
+            if writer is not None:
+                writer.write_table(_table(batch))
+            else:
+                sink.write(b"".join(_jsonl(r) for r in batch))
+            written += len(batch)
+            if progress is not None:
+                progress(len(batch))
+        if writer is not None:
+            writer.close()
+    return written
