@@ -143,6 +143,7 @@ class Backends:
     engines: list[str]
     model: str  #: what an agent passes as `model` (the first engine's first model)
     local_vllm: bool  #: whether the engine is a vLLM started here
+    model_dir: Path | None = None  #: the local vLLM's model (the generated tiny model)
 
 
 @contextlib.contextmanager
@@ -162,7 +163,8 @@ def backends(store_settings: StoreSettings, engines: list[str]) -> Iterator[Back
                 vllm = _start_local_vllm(store_settings.data_dir)
                 engines = [vllm.start()]
             model = LOCAL_MODEL_NAME if vllm else served_model_name(engines[0]) or "MODEL"
-        yield Backends(url, sql_url, engines, model, vllm is not None)
+        model_dir = vllm.model_dir if vllm else None
+        yield Backends(url, sql_url, engines, model, vllm is not None, model_dir)
     finally:
         if vllm is not None:
             vllm.stop()
