@@ -247,6 +247,16 @@ class RecordedEvent:
         return decode_logprobs(self._row[11])
 
     @property
+    def packed_token_ids(self) -> bytes | None:
+        """Token ids as stored (little-endian int32 bytes), undecoded."""
+        return self._row[10]  # type: ignore[no-any-return]
+
+    @property
+    def packed_logprobs(self) -> bytes | None:
+        """Logprobs as stored (little-endian float32 bytes), undecoded."""
+        return self._row[11]  # type: ignore[no-any-return]
+
+    @property
     def n_tokens(self) -> int:
         """How many token ids the event carries."""
         data = self._row[10]

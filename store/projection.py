@@ -189,8 +189,7 @@ class Projector:
             if not facts:
                 return 0, 0
             sessions = list(dict.fromkeys(row["session_id"] for row in facts if row["session_id"]))
-            for session_id in sessions:
-                await self._project_session(conn, session_id, version)
+            await self._project_sessions(conn, sessions, version)
             last = facts[-1]
             await conn.execute(
                 queries.WRITE_CHECKPOINT, self.name, version, last["tx_id"], last["position"]
@@ -230,16 +229,22 @@ class Projector:
     async def before_commit(self, conn: asyncpg.Connection) -> None:
         """Called inside the transaction, after everything is written (a hook for tests)."""
 
-    async def _project_session(
-        self, conn: asyncpg.Connection, session_id: str, version: int
+    async def _project_sessions(
+        self, conn: asyncpg.Connection, session_ids: list[str], version: int
     ) -> None:
-        events = [RecordedEvent(r) for r in await conn.fetch(queries.READ_SESSION, session_id)]
-        session = rebuild_session(session_id, events)
-        await conn.execute(queries.DELETE_SESSION_SAMPLES, session_id, version)
-        if session.status == "active" or session.discarded is not None:
-            return  # never samples: not finished yet, or excluded from training
-        last_position = max(e.position for e in events)
-        records = [sample_row(s, last_position, version) for s in build_samples(session)]
+        """Replace these sessions' samples: one read, one delete, one COPY for them all."""
+        by_session: dict[str, list[RecordedEvent]] = {s: [] for s in session_ids}
+        for row in await conn.fetch(queries.READ_SESSIONS, session_ids):
+            event = RecordedEvent(row)
+            by_session[event.session_id].append(event)  # type: ignore[index]
+        await conn.execute(queries.DELETE_SESSION_SAMPLES, session_ids, version)
+        records = []
+        for session_id, events in by_session.items():
+            session = rebuild_session(session_id, events)
+            if session.status == "active" or session.discarded is not None:
+                continue  # never samples: not finished yet, or excluded from training
+            last_position = max(e.position for e in events)
+            records += [sample_row(s, last_position, version) for s in build_samples(session)]
         if records:
             await conn.copy_records_to_table(
                 "samples", records=records, columns=queries.SAMPLE_COLUMNS

@@ -109,7 +109,16 @@ ON CONFLICT (name, version)
 DO UPDATE SET tx_id = EXCLUDED.tx_id, position = EXCLUDED.position, updated_at = now()
 """
 
-DELETE_SESSION_SAMPLES = "DELETE FROM samples WHERE session_id = $1 AND projection_version = $2"
+#: Every event of several sessions, each session's in log order (one round trip per batch).
+READ_SESSIONS = f"""
+SELECT {EVENT_COLUMNS} FROM events
+WHERE session_id = ANY($1::text[])
+ORDER BY session_id, tx_id, position
+"""
+
+DELETE_SESSION_SAMPLES = """
+DELETE FROM samples WHERE session_id = ANY($1::text[]) AND projection_version = $2
+"""
 
 SAMPLE_COLUMNS = (
     "sample_id", "projection_version", "session_id", "run_id", "task_id", "group_id", "branch",

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from store.events import EventType, RecordedEvent
-from store.tokens import Logprobs, TokenIds
+from store.tokens import TokenIds, decode_logprobs, decode_token_ids
 
 
 @dataclass
@@ -160,56 +160,80 @@ def _ints(array: TokenIds | None) -> list[int]:
     return [] if array is None else np.asarray(array).tolist()
 
 
-def _floats(array: Logprobs | None) -> list[float]:
-    return [] if array is None else np.asarray(array, dtype=np.float64).tolist()
+@dataclass
+class _Chunks:
+    """A choice's completion chunks, packed as stored, decoded once at the end."""
+
+    choice: ChoiceRecord
+    token_ids: list[bytes] = field(default_factory=list)
+    logprobs: list[bytes] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        self.choice.token_ids += _ints(decode_token_ids(b"".join(self.token_ids)))
+        logprobs = decode_logprobs(b"".join(self.logprobs))
+        if logprobs is not None:
+            self.choice.logprobs += np.asarray(logprobs, dtype=np.float64).tolist()
+        self.choice.text += "".join(self.text)
+
+
+_CHUNK = EventType.COMPLETION_CHUNK.value
+_PROMPT = EventType.PROMPT_TOKENS.value
+_RECEIVED = EventType.REQUEST_RECEIVED.value
+_FINISHED = EventType.COMPLETION_FINISHED.value
+_FAILED = EventType.REQUEST_FAILED.value
+_CREATED = EventType.SESSION_CREATED.value
+_REWARD = EventType.REWARD_ASSIGNED.value
+_SESSION_FINISHED = EventType.SESSION_FINISHED.value
+_DISCARDED = EventType.SESSION_DISCARDED.value
 
 
 def rebuild_session(session_id: str, events: list[RecordedEvent]) -> SessionRecord:
-    """Fold a session's events (in log order) into a `SessionRecord`."""
+    """Fold a session's events (in log order) into a `SessionRecord`.
+
+    The most frequent events (completion chunks) are checked first, and their arrays are
+    joined as stored bytes and decoded once per choice: the projector folds every session.
+    """
     session = SessionRecord(session_id, n_events=len(events))
     turns: dict[str, TurnRecord] = {}
+    chunks: dict[tuple[str, int], _Chunks] = {}
     for event in events:
-        payload = event.payload
-        match event.type:
-            case EventType.SESSION_CREATED:
-                session.run_id = event.run_id
-                session.task_id = payload.get("task_id")
-                session.group_id = payload.get("group_id")
-                session.metadata = payload.get("metadata") or {}
-                session.deadline_s = payload.get("deadline_s")
-                session.created_at = payload.get("created_at")
-                session.recorded_created_at = event.recorded_at
-            case EventType.REWARD_ASSIGNED:
-                session.rewards.append(payload)
-            case EventType.SESSION_FINISHED:
-                session.status = payload.get("status", "completed")
-                session.finish_reason = payload.get("reason")
-                session.recorded_finished_at = event.recorded_at
-            case EventType.SESSION_DISCARDED:
-                session.discarded = payload.get("reason") or "discarded"
-            case EventType.REQUEST_RECEIVED:
-                turn = TurnRecord(
-                    request_id=payload["request_id"],
-                    api=payload.get("api", "chat"),
-                    body=payload.get("body") or {},
-                    engine=payload.get("engine"),
-                    policy_version=payload.get("policy_version"),
-                    logprobs_mode=payload.get("logprobs_mode"),
-                    stream=bool(payload.get("stream")),
-                    sampling=payload.get("sampling") or {},
-                    first_position=event.position,
-                )
-                turns[event.stream_id] = turn
-                session.turns.append(turn)
-            case EventType.PROMPT_TOKENS if event.stream_id in turns:
-                turns[event.stream_id].prompt_token_ids = _ints(event.token_ids)
-            case EventType.COMPLETION_CHUNK if event.stream_id in turns:
-                choice = turns[event.stream_id].choice(int(payload.get("choice") or 0))
-                choice.token_ids.extend(_ints(event.token_ids))
-                choice.logprobs.extend(_floats(event.logprobs))
-                choice.text += payload.get("text") or ""
-            case EventType.COMPLETION_FINISHED if event.stream_id in turns:
-                turn = turns[event.stream_id]
+        kind = event.type
+        stream = event.stream_id
+        if kind == _CHUNK:
+            if stream in turns:
+                payload = event.payload
+                index = int(payload.get("choice") or 0)
+                pending = chunks.get((stream, index))
+                if pending is None:
+                    pending = chunks[stream, index] = _Chunks(turns[stream].choice(index))
+                if (ids := event.packed_token_ids) is not None:
+                    pending.token_ids.append(ids)
+                if (logprobs := event.packed_logprobs) is not None:
+                    pending.logprobs.append(logprobs)
+                pending.text.append(payload.get("text") or "")
+        elif kind == _PROMPT:
+            if stream in turns:
+                turns[stream].prompt_token_ids = _ints(event.token_ids)
+        elif kind == _RECEIVED:
+            payload = event.payload
+            turn = TurnRecord(
+                request_id=payload["request_id"],
+                api=payload.get("api", "chat"),
+                body=payload.get("body") or {},
+                engine=payload.get("engine"),
+                policy_version=payload.get("policy_version"),
+                logprobs_mode=payload.get("logprobs_mode"),
+                stream=bool(payload.get("stream")),
+                sampling=payload.get("sampling") or {},
+                first_position=event.position,
+            )
+            turns[stream] = turn
+            session.turns.append(turn)
+        elif kind == _FINISHED:
+            if stream in turns:
+                payload = event.payload
+                turn = turns[stream]
                 turn.status = "completed"
                 turn.usage = payload.get("usage")
                 turn.latency_s = payload.get("latency_s")
@@ -219,11 +243,31 @@ def rebuild_session(session_id: str, events: list[RecordedEvent]) -> SessionReco
                     choice.finish_reason = finished.get("finish_reason")
                     choice.stop_reason = finished.get("stop_reason")
                     choice.message = finished.get("message")
-            case EventType.REQUEST_FAILED if event.stream_id in turns:
-                turn = turns[event.stream_id]
+        elif kind == _FAILED:
+            if stream in turns:
+                turn = turns[stream]
                 turn.status = "failed"
-                turn.failure = payload
-                turn.latency_s = payload.get("latency_s")
-            case _:
-                pass  # newer event types: a reader of today ignores what it does not know
+                turn.failure = event.payload
+                turn.latency_s = turn.failure.get("latency_s")
+        elif kind == _CREATED:
+            payload = event.payload
+            session.run_id = event.run_id
+            session.task_id = payload.get("task_id")
+            session.group_id = payload.get("group_id")
+            session.metadata = payload.get("metadata") or {}
+            session.deadline_s = payload.get("deadline_s")
+            session.created_at = payload.get("created_at")
+            session.recorded_created_at = event.recorded_at
+        elif kind == _REWARD:
+            session.rewards.append(event.payload)
+        elif kind == _SESSION_FINISHED:
+            payload = event.payload
+            session.status = payload.get("status", "completed")
+            session.finish_reason = payload.get("reason")
+            session.recorded_finished_at = event.recorded_at
+        elif kind == _DISCARDED:
+            session.discarded = event.payload.get("reason") or "discarded"
+        # else: a newer event type; a reader of today ignores what it does not know
+    for pending in chunks.values():
+        pending.close()
     return session

@@ -1,0 +1,164 @@
+"""Projection throughput: rebuilding samples from the log, against a raw read of the same events.
+
+    python benchmarks/projection.py [--sessions 200] [--turns 4] [--runs 5]
+
+Records multi-turn sessions as the proxy does (each turn's prompt extends the previous turn's
+prompt and completion by a tool result, so every session is one sample; completion chunks of 16
+tokens with float32 logprobs), a reward and a finish each. Then, on a fresh clone of that
+database per run:
+
+- trajstore: `Projector.run_once()` from event 0 — read every finished session's events, rebuild
+  it, build its samples, write them and the checkpoint;
+- raw: the same events read with plain asyncpg SELECTs, as many sessions per query as one
+  projector batch reads, token ids and logprobs turned into numpy arrays, nothing built or
+  written.
+
+Tokens are the prompt and completion tokens of the events read. The target is trajstore ≥ 0.5×
+raw. Prints medians, the ratio, and sessions/s. TRAJSTORE_DATABASE_URL's server, else the
+embedded one (it needs the right to create databases).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import gc
+import statistics
+import time
+
+import asyncpg
+import numpy as np
+from ingest import Databases  # benchmarks/ingest.py, next to this file
+
+from store import EventStore, EventType, NewEvent, request_stream, session_stream
+from store.connection import connect
+from store.embedded import database_url
+from store.projection import Projector
+
+CHUNK = 16
+FIRST_PROMPT = 256
+COMPLETION = 64
+TOOL_RESULT = 32
+#: Sessions per raw read: what one projector batch (500 facts, 2 per session) reads.
+RAW_BATCH = 250
+
+
+async def record(url: str, sessions: int, turns: int) -> int:
+    """Write the sessions; return how many prompt + completion tokens their events hold."""
+    rng = np.random.default_rng(0)
+    tokens = 0
+    async with await EventStore.open(url) as store:
+        writer = store.writer(max_pending=1_000_000)
+        await writer.start()
+        for s in range(sessions):
+            session = f"s{s}"
+            event = functools.partial(NewEvent, session_id=session, run_id="bench")
+            writer.append_many(
+                session_stream(session),
+                1,
+                [event(EventType.SESSION_CREATED, payload={"task_id": "t"})],
+            )
+            prompt = rng.integers(5, 150_000, FIRST_PROMPT, dtype=np.int32)
+            for t in range(turns):
+                completion = rng.integers(5, 150_000, COMPLETION, dtype=np.int32)
+                request_id = f"{session}-{t}"
+                events = [
+                    event(EventType.REQUEST_RECEIVED, payload={"request_id": request_id}),
+                    event(EventType.PROMPT_TOKENS, payload={"choice": None}, token_ids=prompt),
+                ]
+                for c in range(0, COMPLETION, CHUNK):
+                    events.append(
+                        event(
+                            EventType.COMPLETION_CHUNK,
+                            payload={"choice": 0, "text": "lorem ipsum " * 4},
+                            token_ids=completion[c : c + CHUNK],
+                            logprobs=-rng.random(CHUNK, dtype=np.float32),
+                        )
+                    )
+                events.append(
+                    event(
+                        EventType.COMPLETION_FINISHED,
+                        payload={"choices": [{"index": 0, "finish_reason": "stop"}]},
+                    )
+                )
+                writer.append_many(request_stream(request_id), 1, events)
+                tokens += len(prompt) + COMPLETION
+                tool_result = rng.integers(5, 150_000, TOOL_RESULT, dtype=np.int32)
+                prompt = np.concatenate([prompt, completion, tool_result])
+            writer.append_many(
+                session_stream(session),
+                2,
+                [
+                    event(EventType.REWARD_ASSIGNED, payload={"value": float(s % 2)}),
+                    event(EventType.SESSION_FINISHED, payload={"status": "completed"}),
+                ],
+            )
+        await writer.flush()
+        await writer.close()
+    return tokens
+
+
+async def rebuild(url: str) -> float:
+    async with await EventStore.open(url) as store:
+        started = time.perf_counter()
+        await Projector(store).run_once()
+        elapsed = time.perf_counter() - started
+        assert await store.pool.fetchval("SELECT count(*) FROM samples") > 0
+    return elapsed
+
+
+async def read_raw(url: str, sessions: int) -> float:
+    """The same events, read as the projector reads them: many sessions per round trip."""
+    conn: asyncpg.Connection = await connect(url)
+    try:
+        started = time.perf_counter()
+        for first in range(0, sessions, RAW_BATCH):
+            rows = await conn.fetch(
+                "SELECT position, tx_id, event_id, stream_id, stream_version, session_id, run_id,"
+                " event_type, recorded_at, payload, token_ids, logprobs FROM events"
+                " WHERE session_id = ANY($1::text[]) ORDER BY session_id, tx_id, position",
+                [f"s{s}" for s in range(first, min(first + RAW_BATCH, sessions))],
+            )
+            for row in rows:
+                if row["token_ids"] is not None:
+                    np.frombuffer(row["token_ids"], "<i4")
+                if row["logprobs"] is not None:
+                    np.frombuffer(row["logprobs"], "<f4")
+        return time.perf_counter() - started
+    finally:
+        await conn.close()
+
+
+async def main(sessions: int, turns: int, runs: int) -> None:
+    databases = Databases(database_url())
+    await databases.setup()
+    try:
+        loaded = await databases.fresh()
+        tokens = await record(loaded, sessions, turns)
+        databases.template = loaded.partition("?")[0].rpartition("/")[2]  # clone the loaded one
+        ours, raw = [], []
+        for _ in range(runs):
+            gc.collect()
+            raw.append(await read_raw(await databases.fresh(), sessions))
+            gc.collect()
+            ours.append(await rebuild(await databases.fresh()))
+    finally:
+        await databases.drop_all()
+    ours_s, raw_s = statistics.median(ours), statistics.median(raw)
+    print(f"{sessions} sessions x {turns} turns, {tokens:,} tokens, medians of {runs} runs")
+    print(f"{'':24}{'trajstore':>14}{'raw asyncpg':>14}{'ratio':>8}")
+    print(
+        f"{'rebuild tokens/s':24}{tokens / ours_s:>14,.0f}{tokens / raw_s:>14,.0f}"
+        f"{raw_s / ours_s:>7.2f}x"
+    )
+    print(f"{'sessions/s':24}{sessions / ours_s:>14,.0f}{sessions / raw_s:>14,.0f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sessions", type=int, default=200)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    asyncio.run(main(args.sessions, args.turns, args.runs))
