@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 
+#: Samples whose arrays one read fetches (whole batches), one read ahead of the trainer.
+READ_AHEAD_SAMPLES = 256
+
 
 @dataclass(frozen=True)
 class IndexEntry:
@@ -178,24 +181,47 @@ async def replay(
         advantage_of = {e.sample_id: a for e, a in zip(entries, advantages, strict=True)}
         ordered = shuffled(entries, seed=seed, shuffle=shuffle)
         plan = layout.plan([e.n_tokens for e in ordered], [e.sample_id for e in ordered])
-        for batch_rows in plan:
-            chosen = [ordered[i] for row in batch_rows for i in row]
+
+        async def fetch(chunk: list[list[list[int]]]) -> dict[uuid.UUID, Arrays]:
+            ids = [ordered[i].sample_id for rows in chunk for row in rows for i in row]
             async with unavailable_as_store_error(), store.pool.acquire() as conn:
-                arrays = await read_arrays(conn, version, [e.sample_id for e in chosen])
-            yield collate(
-                [
-                    [
-                        _sample(
-                            ordered[i],
-                            arrays[ordered[i].sample_id],
-                            advantage_of[ordered[i].sample_id],
-                            selection,
-                        )
-                        for i in row
-                    ]
-                    for row in batch_rows
-                ]
-            )
+                return await read_arrays(conn, version, ids)
+
+        # Read the next chunk's arrays while this chunk's batches are built and trained on.
+        chunks = _chunks(plan, READ_AHEAD_SAMPLES)
+        pending = asyncio.ensure_future(fetch(chunks[0]))
+        try:
+            for k, chunk in enumerate(chunks):
+                arrays = await pending
+                if k + 1 < len(chunks):
+                    pending = asyncio.ensure_future(fetch(chunks[k + 1]))
+                for batch_rows in chunk:
+                    yield collate(
+                        [
+                            [
+                                _sample(
+                                    e, arrays[e.sample_id], advantage_of[e.sample_id], selection
+                                )
+                                for e in (ordered[i] for i in row)
+                            ]
+                            for row in batch_rows
+                        ]
+                    )
+        finally:
+            pending.cancel()
+
+
+def _chunks(plan: list[list[list[int]]], samples: int) -> list[list[list[list[int]]]]:
+    """Consecutive batches grouped so that each group holds at least `samples` samples."""
+    chunks: list[list[list[list[int]]]] = [[]]
+    count = 0
+    for batch_rows in plan:
+        if count >= samples:
+            chunks.append([])
+            count = 0
+        chunks[-1].append(batch_rows)
+        count += sum(len(row) for row in batch_rows)
+    return chunks
 
 
 # -- live ----------------------------------------------------------------------------------------
