@@ -347,7 +347,8 @@ async def run_demo(
 @click.command("demo")
 @click.option("--agents", default=4, show_default=True, help="Agents running at once.")
 @click.option("--turns", default=3, show_default=True, help="Model calls per agent, at most.")
-@click.option("--max-tokens", default=24, show_default=True, help="Tokens per model call.")
+@click.option("--max-tokens", default=64, show_default=True,
+              help="Tokens per model call (random models write long tool arguments).")  # fmt: skip
 @click.option("--run-id", default=None, help="Run id of the sessions [default: demo-<random>].")
 @click.option("--seed", default=0, show_default=True, help="Picks the questions.")
 @click.option("--train-steps", default=3, show_default=True,
