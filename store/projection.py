@@ -73,9 +73,9 @@ def sample_row(sample: Sample, last_position: int, version: int) -> tuple[Any, .
         session.status,
         sample.finish_reason,
         session.reward,
-        encode_token_ids(sample.token_ids),
-        bytes(sample.loss_mask),
-        encode_logprobs(sample.logprobs),
+        encode_token_ids(sample.token_array()),
+        sample.mask_array().tobytes(),
+        encode_logprobs(sample.logprob_array()),
         sample.prompt_len,
         sample.response_len,
         len(sample.turns),
@@ -240,7 +240,7 @@ class Projector:
         await conn.execute(queries.DELETE_SESSION_SAMPLES, session_ids, version)
         records = []
         for session_id, events in by_session.items():
-            session = rebuild_session(session_id, events)
+            session = rebuild_session(session_id, events, arrays=True)
             if session.status == "active" or session.discarded is not None:
                 continue  # never samples: not finished yet, or excluded from training
             last_position = max(e.position for e in events)

@@ -30,6 +30,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from store.sessions import ChoiceRecord, SessionRecord, TurnRecord
 
 #: Changes whenever the rules above change; samples record it, and a rebuild writes a new one.
@@ -51,16 +53,21 @@ class Divergence:
         return {"turn": self.turn, "position": self.position, "reason": self.reason}
 
 
+def _ids(values: Any) -> np.ndarray[Any, np.dtype[np.int32]]:
+    return np.asarray(values, dtype=np.int32)
+
+
 @dataclass
 class Sample:
-    """One training sequence, as the trainer eats it."""
+    """One training sequence, as the trainer eats it.
+
+    Tokens are kept as numpy segments (one per prompt, glue or completion) and joined on demand:
+    `token_array()` and friends for the projector, `token_ids` and friends as lists for people.
+    """
 
     sample_id: uuid.UUID
     session: SessionRecord
     branch: int
-    token_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # 0.0 where the mask is 0
     prompt_len: int = 0
     turns: list[int] = field(default_factory=list)  # indices into session.turns
     tool_turns: int = 0
@@ -70,18 +77,58 @@ class Sample:
     divergence: Divergence | None = None  # why this branch started (None for the first)
     alternative_of: int | None = None  # for an n>1 choice not continued: its turn
     is_final: bool = False
+    _ids: list[np.ndarray[Any, Any]] = field(default_factory=list, repr=False)
+    # One entry per segment: its length, and its logprobs when the model generated it.
+    _lengths: list[int] = field(default_factory=list, repr=False)
+    _generated: list[np.ndarray[Any, Any] | None] = field(default_factory=list, repr=False)
+    response_len: int = 0  #: tokens the model generated in this sample (loss mask 1)
+
+    def token_array(self) -> np.ndarray[Any, np.dtype[np.int32]]:
+        """All token ids, int32."""
+        if len(self._ids) != 1:  # join once; later calls find one segment
+            self._ids = [np.concatenate(self._ids) if self._ids else _ids([])]
+        return self._ids[0]
+
+    def mask_array(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """The loss mask, uint8: 1 where the model generated the token."""
+        kinds = np.array([g is not None for g in self._generated], dtype=np.uint8)
+        return np.repeat(kinds, self._lengths)
+
+    def logprob_array(self) -> np.ndarray[Any, np.dtype[np.float32]]:
+        """Behaviour logprobs, float32; 0.0 where the mask is 0 (NaN if the engine gave none)."""
+        out = np.zeros(sum(self._lengths), np.float32)
+        start = 0
+        for length, logprobs in zip(self._lengths, self._generated, strict=True):
+            if logprobs is not None:
+                out[start : start + length] = logprobs
+            start += length
+        return out
 
     @property
-    def response_len(self) -> int:
-        """Tokens the model generated in this sample (loss mask 1)."""
-        return sum(self.loss_mask)
+    def token_ids(self) -> list[int]:
+        """All token ids."""
+        return self.token_array().tolist()  # type: ignore[no-any-return]
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """1 where the model generated the token, 0 elsewhere."""
+        return self.mask_array().tolist()  # type: ignore[no-any-return]
+
+    @property
+    def logprobs(self) -> list[float]:
+        """Behaviour logprobs (0.0 where the mask is 0)."""
+        return self.logprob_array().astype(np.float64).tolist()  # type: ignore[no-any-return]
 
     def _add_turn(self, index: int, turn: TurnRecord, choice: ChoiceRecord) -> None:
         self.turns.append(index)
-        self.token_ids.extend(choice.token_ids)
-        self.loss_mask.extend([1] * len(choice.token_ids))
-        logprobs = choice.logprobs if len(choice.logprobs) == len(choice.token_ids) else []
-        self.logprobs.extend(logprobs or [float("nan")] * len(choice.token_ids))
+        ids = _ids(choice.token_ids)
+        logprobs = np.asarray(choice.logprobs, dtype=np.float32)
+        if len(logprobs) != len(ids):
+            logprobs = np.full(len(ids), np.nan, np.float32)
+        self._ids.append(ids)
+        self._lengths.append(len(ids))
+        self._generated.append(logprobs)
+        self.response_len += len(ids)
         self.finish_reason = choice.finish_reason
         if choice.message and choice.message.get("tool_calls"):
             self.tool_turns += 1  # the model called a tool (as `turns.n_tool_calls` counts)
@@ -92,10 +139,10 @@ class Sample:
             if value is not None and value not in seen:
                 seen.append(value)
 
-    def _add_glue(self, tokens: list[int]) -> None:
-        self.token_ids.extend(tokens)
-        self.loss_mask.extend([0] * len(tokens))
-        self.logprobs.extend([0.0] * len(tokens))
+    def _add_glue(self, tokens: np.ndarray[Any, Any]) -> None:
+        self._ids.append(tokens)
+        self._lengths.append(len(tokens))
+        self._generated.append(None)
 
 
 def sample_id(session_id: str, branch: int, alternative: str = "") -> uuid.UUID:
@@ -104,28 +151,36 @@ def sample_id(session_id: str, branch: int, alternative: str = "") -> uuid.UUID:
     return uuid.uuid5(_SAMPLE_NAMESPACE, name)
 
 
-def _first_difference(a: list[int], b: list[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
+def _first_difference(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
-def _divergence_reason(sample: Sample, prompt: list[int], position: int, last: list[int]) -> str:
-    if position == len(prompt) < len(sample.token_ids):
+def _starts_with(sequence: np.ndarray[Any, Any], prefix: np.ndarray[Any, Any]) -> bool:
+    return len(sequence) >= len(prefix) and bool(np.array_equal(sequence[: len(prefix)], prefix))
+
+
+def _divergence_reason(
+    sample: Sample, prompt: np.ndarray[Any, Any], position: int, last: np.ndarray[Any, Any]
+) -> str:
+    held = len(sample.token_array())
+    if position == len(prompt) < held:
         return "history_truncated"  # the prompt is a strict prefix: the context was cut
-    if position >= len(sample.token_ids) - len(last):
+    if position >= held - len(last):
         return "template_not_append_only"  # the last completion came back re-rendered
     return "history_rewritten"
 
 
-def _continued_choice(turn: TurnRecord, next_prompt: list[int] | None, base: list[int]) -> int:
+def _continued_choice(
+    turn: TurnRecord, next_prompt: np.ndarray[Any, Any] | None, base: np.ndarray[Any, Any]
+) -> int:
     """The choice of an n>1 turn that the next turn's prompt continues (default: 0)."""
     if next_prompt is None or len(turn.choices) < 2:
         return min(turn.choices) if turn.choices else 0
     for index in sorted(turn.choices):
-        candidate = base + turn.choices[index].token_ids
-        if next_prompt[: len(candidate)] == candidate:
+        candidate = np.concatenate([base, _ids(turn.choices[index].token_ids)])
+        if _starts_with(next_prompt, candidate):
             return index
     return min(turn.choices)
 
@@ -133,34 +188,31 @@ def _continued_choice(turn: TurnRecord, next_prompt: list[int] | None, base: lis
 def build_samples(session: SessionRecord) -> list[Sample]:
     """The samples of one session, by the rules in this module's docstring."""
     usable = [(i, t) for i, t in enumerate(session.turns) if t.status == "completed" and t.choices]
+    prompts = [_ids(t.prompt_token_ids) for _, t in usable]
     samples: list[Sample] = []
     current: Sample | None = None
-    last_completion: list[int] = []
-    for position_in_list, (index, turn) in enumerate(usable):
-        prompt = turn.prompt_token_ids
-        next_prompt = (
-            usable[position_in_list + 1][1].prompt_token_ids
-            if position_in_list + 1 < len(usable)
-            else None
-        )
+    last_completion = _ids([])
+    for n, (index, turn) in enumerate(usable):
+        prompt = prompts[n]
+        next_prompt = prompts[n + 1] if n + 1 < len(usable) else None
         chosen = _continued_choice(turn, next_prompt, prompt)
         choice = turn.choices[chosen]
 
-        glue: list[int] | None = None
+        glue: np.ndarray[Any, Any] | None = None
         if current is not None:
-            held = current.token_ids
-            if prompt[: len(held)] == held:
+            held = current.token_array()
+            if _starts_with(prompt, held):
                 glue = prompt[len(held) :]
             elif (
-                last_completion
+                len(last_completion)
                 and current.finish_reason == "stop"
-                and prompt[: len(held) - 1] == held[:-1]
+                and _starts_with(prompt, held[:-1])
             ):
                 glue = prompt[len(held) - 1 :]  # the end-of-turn token was not repeated
         if current is None or glue is None:
             divergence = None
             if current is not None:
-                at = _first_difference(prompt, current.token_ids)
+                at = _first_difference(prompt, current.token_array())
                 reason = _divergence_reason(current, prompt, at, last_completion)
                 divergence = Divergence(index, at, reason)
             branch = len([s for s in samples if s.alternative_of is None])
@@ -172,7 +224,7 @@ def build_samples(session: SessionRecord) -> list[Sample]:
         else:
             current._add_glue(glue)
         current._add_turn(index, turn, choice)
-        last_completion = choice.token_ids
+        last_completion = _ids(choice.token_ids)
 
         for other in sorted(set(turn.choices) - {chosen}):
             alternative = Sample(

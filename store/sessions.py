@@ -169,10 +169,14 @@ class _Chunks:
     logprobs: list[bytes] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
 
-    def close(self) -> None:
-        self.choice.token_ids += _ints(decode_token_ids(b"".join(self.token_ids)))
+    def close(self, arrays: bool) -> None:
+        ids = decode_token_ids(b"".join(self.token_ids))
         logprobs = decode_logprobs(b"".join(self.logprobs))
-        if logprobs is not None:
+        if arrays:
+            self.choice.token_ids = ids  # type: ignore[assignment]
+            self.choice.logprobs = logprobs  # type: ignore[assignment]
+        else:
+            self.choice.token_ids += _ints(ids)
             self.choice.logprobs += np.asarray(logprobs, dtype=np.float64).tolist()
         self.choice.text += "".join(self.text)
 
@@ -188,11 +192,15 @@ _SESSION_FINISHED = EventType.SESSION_FINISHED.value
 _DISCARDED = EventType.SESSION_DISCARDED.value
 
 
-def rebuild_session(session_id: str, events: list[RecordedEvent]) -> SessionRecord:
+def rebuild_session(
+    session_id: str, events: list[RecordedEvent], *, arrays: bool = False
+) -> SessionRecord:
     """Fold a session's events (in log order) into a `SessionRecord`.
 
     The most frequent events (completion chunks) are checked first, and their arrays are
     joined as stored bytes and decoded once per choice: the projector folds every session.
+    With `arrays`, token ids and logprobs stay numpy arrays (int32, float32) instead of lists:
+    what `store.samples` works on, without a Python object per token.
     """
     session = SessionRecord(session_id, n_events=len(events))
     turns: dict[str, TurnRecord] = {}
@@ -214,7 +222,8 @@ def rebuild_session(session_id: str, events: list[RecordedEvent]) -> SessionReco
                 pending.text.append(payload.get("text") or "")
         elif kind == _PROMPT:
             if stream in turns:
-                turns[stream].prompt_token_ids = _ints(event.token_ids)
+                prompt = event.token_ids
+                turns[stream].prompt_token_ids = prompt if arrays else _ints(prompt)  # type: ignore[assignment]
         elif kind == _RECEIVED:
             payload = event.payload
             turn = TurnRecord(
@@ -269,5 +278,5 @@ def rebuild_session(session_id: str, events: list[RecordedEvent]) -> SessionReco
             session.discarded = event.payload.get("reason") or "discarded"
         # else: a newer event type; a reader of today ignores what it does not know
     for pending in chunks.values():
-        pending.close()
+        pending.close(arrays)
     return session
