@@ -38,7 +38,9 @@ class _LazyGroup(click.Group):
     help="Also save the rebuilt batch (a TensorDict, torch.save format) to this file.",
 )
 @click.pass_context
-def replay(ctx: click.Context, training_run: str | None, step: int | None, out: Path | None) -> None:
+def replay(
+    ctx: click.Context, training_run: str | None, step: int | None, out: Path | None
+) -> None:
     """Replay a past training step exactly, or a session's timeline (`replay session ID`)."""
     if ctx.invoked_subcommand is not None:
         return
