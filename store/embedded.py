@@ -179,6 +179,8 @@ def _blocking_parent(path: Path, user: ServerUser) -> Path | None:
 def port_in_use(host: str, port: int) -> bool:
     """Whether some program already holds `port` on `host` (we cannot bind it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # A port whose last connections linger in TIME_WAIT is free: only a listener counts.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

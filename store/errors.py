@@ -12,6 +12,7 @@
     │   └── WriteFailed             events it accepted could not be made durable
     ├── SchemaNotReady              the database has not been migrated (`trajstore migrate`)
     ├── BadQuery                    a query given by a person (`trajstore sql`) failed
+    ├── SessionNotFound             no events of this session (as of the position asked)
     └── EmbeddedServerError         the private PostgreSQL could not be set up, started or stopped
 
 Driver errors (asyncpg, OS errors) are re-raised as the most specific of these, `from` the
@@ -38,6 +39,10 @@ class PayloadTooLarge(BadEvent):
 
 class BadQuery(StoreError, ValueError):
     """The query failed; the message is PostgreSQL's, which says what is wrong with it."""
+
+
+class SessionNotFound(StoreError, LookupError):
+    """The store has no events of this session (as of the position asked)."""
 
 
 class ConcurrencyError(StoreError):

@@ -184,3 +184,18 @@ SELECT stream_id, event_type, payload FROM events
 WHERE stream_id = ANY($1::text[]) AND event_type IN ('request_received', 'completion_finished')
 ORDER BY stream_id, stream_version
 """
+
+# -- time travel ----------------------------------------------------------------------------------
+
+# No horizon (unlike the projector's reads): time travel asks about a point that was committed
+# already, and waiting for unrelated transactions still open would only hide sessions.
+SESSIONS_WITH_FACTS_UP_TO = """
+SELECT session_id FROM (
+    SELECT DISTINCT ON (session_id) session_id, tx_id, position FROM events
+    WHERE (tx_id, position) <= ($1::xid8, $2::int8)
+      AND event_type = ANY($3::text[])
+      AND session_id IS NOT NULL
+    ORDER BY session_id, tx_id, position
+) AS first_fact
+ORDER BY tx_id, position
+"""

@@ -25,32 +25,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from store import queries
 from store.connection import unavailable_as_store_error
-from store.errors import StoreError
+from store.errors import SessionNotFound
 from store.events import EventType, RecordedEvent, request_stream
 from store.eventstore import EventStore
 from store.projection import SESSION_FACTS
 from store.samples import Sample, build_samples
 from store.sessions import SessionRecord, TurnRecord, rebuild_session
-
-# This belongs in store/queries.py with the other statements; it lives here until that file is
-# free to edit. No horizon (unlike the projector's reads): time travel asks about a point that was
-# committed already, and waiting for unrelated transactions still open would only hide sessions.
-SESSIONS_WITH_FACTS_UP_TO = """
-SELECT session_id FROM (
-    SELECT DISTINCT ON (session_id) session_id, tx_id, position FROM events
-    WHERE (tx_id, position) <= ($1::xid8, $2::int8)
-      AND event_type = ANY($3::text[])
-      AND session_id IS NOT NULL
-    ORDER BY session_id, tx_id, position
-) AS first_fact
-ORDER BY tx_id, position
-"""
-
-
-class SessionNotFound(StoreError, LookupError):
-    """The store has no events of this session (as of the position asked)."""
-
 
 LogPoint = tuple[int, int]  #: (tx_id, position): a place in the log's global order
 
@@ -93,7 +75,9 @@ async def session_as_of(
 async def sessions_with_facts_up_to(store: EventStore, point: LogPoint) -> list[str]:
     """Sessions with a finish, discard or reward at or before `point`, in order of first fact."""
     async with unavailable_as_store_error():
-        rows = await store.pool.fetch(SESSIONS_WITH_FACTS_UP_TO, point[0], point[1], SESSION_FACTS)
+        rows = await store.pool.fetch(
+            queries.SESSIONS_WITH_FACTS_UP_TO, point[0], point[1], SESSION_FACTS
+        )
     return [row["session_id"] for row in rows]
 
 

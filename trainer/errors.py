@@ -5,7 +5,8 @@
     ├── StepNotFound        the ledger has no such training run or step
     ├── SampleGone          a sample a recorded step used is no longer in the projection
     │   └── SampleChanged   ... or holds other tokens than it did at that step
-    └── StepAlreadyRecorded a training step was recorded already (the ledger never holds it twice)
+    ├── StepAlreadyRecorded a training step was recorded already (the ledger never holds it twice)
+    └── MismatchCheckFailed an engine could not be asked for the logprobs of a recorded session
 
 Store errors (`store.errors.StoreError`) pass through unchanged: they already say what failed.
 """
@@ -38,3 +39,7 @@ class SampleChanged(SampleGone):
 
 class StepAlreadyRecorded(TrainerError):
     """This training step is already in the ledger; a step is recorded once."""
+
+
+class MismatchCheckFailed(TrainerError):
+    """The engine could not be asked for the logprobs of a recorded session."""

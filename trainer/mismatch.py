@@ -32,11 +32,7 @@ import httpx
 import numpy as np
 
 from store.sessions import SessionRecord, TurnRecord
-from trainer.errors import TrainerError
-
-
-class MismatchCheckFailed(TrainerError):
-    """The engine could not be asked for the logprobs of a recorded session."""
+from trainer.errors import MismatchCheckFailed
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from trainer.collate import Layout
+from trainer.errors import BadSelection
 from trainer.ledger import record_step
 from trainer.loss import LossConfig, policy_loss, token_logprobs
 from trainer.replay import open_store, replay
@@ -82,7 +83,9 @@ async def train_steps(
         while step < steps:
             # One pass over the run per epoch, reshuffled; a pass may end with a smaller batch.
             seed = config.seed + epoch
+            batches = 0
             async for batch in replay(store, selection, batch_size=config.batch_size, seed=seed):
+                batches += 1
                 step += 1
                 # pi_old: the trainer's policy before this step, without gradients.
                 with torch.no_grad():
@@ -115,6 +118,11 @@ async def train_steps(
                     on_step(metrics)
                 if step == steps:
                     break
+            if batches == 0:
+                raise BadSelection(
+                    f"run {run_id!r} has no completed, rewarded samples to train on: record and "
+                    "finish sessions first (and let `trajstore project` build their samples)"
+                )
             epoch += 1
 
     if save_dir is not None:

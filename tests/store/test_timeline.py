@@ -9,10 +9,17 @@ import asyncpg
 import numpy as np
 import pytest
 
-from store import BadEvent, EventStore, EventType, NewEvent, request_stream, session_stream
+from store import (
+    BadEvent,
+    EventStore,
+    EventType,
+    NewEvent,
+    SessionNotFound,
+    request_stream,
+    session_stream,
+)
 from store.projection import Projector
 from store.timeline import (
-    SessionNotFound,
     samples_as_of,
     session_as_of,
     session_events,
