@@ -169,11 +169,11 @@ def test_docs_name_every_setting_and_every_compose_variable() -> None:
     from store.settings import StoreSettings
 
     docs = (ROOT / "docs" / "stack.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     fields = [*StoreSettings.model_fields, *ProxySettings.model_fields]
+    settings = [f"TRAJSTORE_{f.upper()}" for f in fields]
     compose_variables = re.findall(r"\$\{(\w+)", (ROOT / "compose.yaml").read_text())
-    missing = [
-        name
-        for name in [f"TRAJSTORE_{f.upper()}" for f in fields] + compose_variables
-        if f"`{name}`" not in docs
-    ]
+    missing = [name for name in settings + compose_variables if f"`{name}`" not in docs]
     assert missing == [], f"docs/stack.md does not describe {missing}"
+    missing = [name for name in settings if f"`{name}`" not in readme]
+    assert missing == [], f"README.md's configuration does not describe {missing}"

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import asyncpg
 
+from store import EventStore
 from store.connection import asyncpg_dsn
+from store.projection import Projector
 from tests.proxy.fixtures import RunningProxy
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
@@ -21,8 +23,10 @@ def code_blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
 
 
-async def test_the_proxy_example_records_an_agent(proxy: RunningProxy) -> None:
-    [example, _] = code_blocks("python")
+async def test_the_agent_example_records_a_session_the_trainer_then_reads(
+    proxy: RunningProxy, database_url: str
+) -> None:
+    [example, training, _] = code_blocks("python")
     example = example.replace("http://127.0.0.1:8400", proxy.url)
     # In a subprocess that does not block this loop: the proxy serves from it.
     child = await asyncio.create_subprocess_exec(
@@ -34,9 +38,25 @@ async def test_the_proxy_example_records_an_agent(proxy: RunningProxy) -> None:
     prompt, completion = out.decode().strip().split("] [")
     assert len(prompt.strip("[").split(",")) == 8 and completion.strip("]")
 
+    # The projector (run by `trajstore up`) makes the finished session a sample; the second
+    # example reads it as a batch.
+    async with await EventStore.open(database_url) as store:
+        assert await Projector(store).run_once() == 1
+    env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", training, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(child.communicate(), 120)
+    assert child.returncode == 0, err.decode()
+    shape, generated, rewards = re.fullmatch(
+        r"torch.Size\(\[1, (\d+)\]\) (\d+) tensor\(\[(.*)\]\)\n", out.decode()
+    ).groups()  # type: ignore[union-attr]
+    assert int(shape) > int(generated) > 0 and float(rewards) == 1.0
+
 
 def test_the_store_example_runs_and_prints_the_recorded_tokens(database_url: str) -> None:
-    [_, example] = code_blocks("python")
+    [_, _, example] = code_blocks("python")
     env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url}
     done = subprocess.run(
         [sys.executable, "-c", example], env=env, capture_output=True, text=True, timeout=60
