@@ -36,6 +36,7 @@ from rich.table import Table
 
 from proxy.stack import backends, proxy_settings, serving, store_settings_of
 from store.eventstore import EventStore
+from store.sql import print_query
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -245,26 +246,27 @@ async def train_on_samples(
 
 
 def summary_queries(run_id: str) -> dict[str, str]:
-    """The SQL the summary shows with its answers (run as shown, so a reader can paste it)."""
-    served = "projection_version = (SELECT version FROM projection_serving WHERE name = 'samples')"
-    where = f"run_id = '{run_id}' AND {served}"
+    """The SQL the summary shows with its answers, over the README's views (paste-able as is)."""
+    run = run_id.replace("'", "''")
     return {
         "rewards per task": (
-            "SELECT task_id, count(*) AS sessions, round(avg(reward)::numeric, 3) AS mean,\n"
-            "       round(min(reward)::numeric, 3) AS min, round(max(reward)::numeric, 3) AS max\n"
-            f"FROM (SELECT DISTINCT session_id, task_id, reward FROM samples WHERE {where}) s\n"
+            "SELECT task_id, count(*) AS sessions, round(avg(reward)::numeric, 3) AS mean_reward,\n"
+            "       sum(tool_turns) AS tool_turns, sum(prompt_tokens) AS prompt_tokens,\n"
+            "       sum(completion_tokens) AS completion_tokens\n"
+            f"FROM trajectories WHERE run_id = '{run}'\n"
             "GROUP BY task_id ORDER BY task_id"
         ),
-        "tokens": (
-            "SELECT count(*) AS samples, sum(octet_length(token_ids) / 4) AS tokens,\n"
-            "       sum(response_len) AS generated, sum(n_turns) AS turns,\n"
-            "       sum(tool_turns) AS tool_turns\n"
-            f"FROM samples WHERE {where}"
+        "how completions ended": (
+            "SELECT finish_reason, count(*) AS turns, sum(n_tool_calls) AS tool_calls,\n"
+            "       round(avg(ttft_s)::numeric, 3) AS mean_ttft_s\n"
+            f"FROM turns WHERE run_id = '{run}' AND status = 'completed'\n"
+            "GROUP BY finish_reason ORDER BY turns DESC"
         ),
         "divergences": (
-            "SELECT divergence ->> 'reason' AS reason, count(*) AS samples\n"
-            f"FROM samples WHERE {where} AND divergence IS NOT NULL\n"
-            "GROUP BY 1 ORDER BY 2 DESC"
+            "SELECT reason, count(DISTINCT session_id) AS sessions\n"
+            "FROM trajectories, unnest(divergence_reasons) AS reason\n"
+            f"WHERE run_id = '{run}'\n"
+            "GROUP BY reason ORDER BY sessions DESC"
         ),
     }
 
@@ -282,15 +284,9 @@ async def print_summary(
         f"calls ({sum(r.valid_tool_calls for r in results)} valid)"
     )
     for title, sql in summary_queries(run_id).items():
-        rows = await store.pool.fetch(sql)
-        table = Table(title=title, title_justify="left")
-        for column in rows[0].keys() if rows else ["(no rows)"]:
-            table.add_column(column, justify="right")
-        for row in rows:
-            table.add_row(*("" if v is None else str(v) for v in row.values()))
-        console.print()
+        console.print(f"\n[bold]{title}[/]")
         console.print(sql, style="dim", highlight=False)
-        console.print(table)
+        await print_query(store, sql, console=console)
     if training is None:
         console.print("\ntraining: none (no local model, or no completed sample)")
         return

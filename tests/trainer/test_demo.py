@@ -59,8 +59,9 @@ async def test_demo_runs_agents_through_the_proxy_and_summarises_them(
     out, err = out_bytes.decode(), err_bytes.decode()
     assert child.returncode == 0, err
     assert "2 sessions (2 completed), 4 model calls" in " ".join(out.split())
-    for title in ("rewards per task", "tokens", "divergences"):
+    for title in ("rewards per task", "how completions ended", "divergences"):
         assert title in out
+    assert "FROM trajectories WHERE run_id = 'demo-test'" in out  # the SQL, as a reader pastes it
     assert "training: none" in out  # the engine was given: no local weights to train
 
     # What the summary reports is in the store: both sessions, rewarded by the rule, projected.
