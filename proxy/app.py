@@ -103,11 +103,17 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
             public_url=public_url,
         )
         watchdog = asyncio.create_task(_watch_event_loop(metrics), name="loop-watchdog")
+        follower = asyncio.create_task(
+            app.state.proxy.registry.follow(), name="session-facts-follower"
+        )
         _dump_tasks_on_sigusr1()
         try:
             yield
         finally:
             watchdog.cancel()
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
             await engines.close()
             try:
                 await writer.close()  # everything recorded is made durable before we exit

@@ -8,12 +8,16 @@ any replica sharing the secret can check it without a lookup, and no key is ever
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import asyncpg
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.errors import BadRequest, Conflict, NotFound
@@ -24,9 +28,12 @@ from store import (
     EventWriter,
     ExpectedVersion,
     NewEvent,
+    StoreUnavailable,
     session_stream,
 )
+from store.connection import close_quietly, connect
 from store.events import MAX_ID_LENGTH
+from store.schema import NOTIFY_CHANNEL
 from store.sessions import rebuild_session
 
 FinishStatus = Literal["completed", "aborted", "error", "timeout"]
@@ -104,8 +111,21 @@ class Session:
         return self.deadline_s is not None and time.time() > self.created_at + self.deadline_s
 
 
+log = logging.getLogger(__name__)
+
+#: Facts of other replicas that change whether a cached session takes model calls.
+_FOLLOWED = [EventType.SESSION_FINISHED.value, EventType.SESSION_DISCARDED.value]
+
+
 class SessionRegistry:
-    """Creates and tracks sessions; appends their facts to the log."""
+    """Creates and tracks sessions; appends their facts to the log.
+
+    Each replica caches the sessions it has seen, so a model call costs no database read. Other
+    replicas may finish or discard a cached session: `follow()` tails those facts from the log
+    (woken by NOTIFY, polling as the truth) and updates the cache, so within moments every
+    replica refuses model calls on a finished session. Facts that change a session (finish,
+    reward, discard) always read the session fresh from the log first.
+    """
 
     def __init__(self, store: EventStore, writer: EventWriter, secret: bytes) -> None:
         self.store = store
@@ -168,12 +188,52 @@ class SessionRegistry:
             )
         return existing, False
 
-    async def get(self, session_id: str) -> Session:
-        """The session, from this replica's cache or the log; `NotFound` if there is none."""
-        session = self._sessions.get(session_id) or await self._load(session_id)
+    async def get(self, session_id: str, *, fresh: bool = False) -> Session:
+        """The session, from this replica's cache (unless `fresh`) or the log; `NotFound` if
+        there is none."""
+        session = None if fresh else self._sessions.get(session_id)
+        session = session or await self._load(session_id)
         if session is None:
             raise NotFound(f"no session {session_id!r}; create it with POST /sessions")
         return session
+
+    async def follow(self, poll_interval: float = 1.0) -> None:
+        """Keep cached sessions in step with finishes and discards made by other replicas."""
+        wake = asyncio.Event()
+        listener: asyncpg.Connection | None = None  # LISTEN needs a connection of its own
+        # Facts below the horizon now were committed before: a session loaded later sees them.
+        position = await self.store.horizon()
+        try:
+            while True:
+                try:
+                    if listener is None or listener.is_closed():
+                        listener = await connect(
+                            self.store.url, application_name="trajstore-sessions"
+                        )
+                        await listener.add_listener(NOTIFY_CHANNEL, lambda *_: wake.set())
+                    wake.clear()
+                    position = await self._apply_facts(position)
+                except StoreUnavailable as exc:
+                    log.warning("cannot follow session facts (%s); retrying", exc)
+                    listener = None
+                except Exception:  # keep following: a dead follower would go unnoticed
+                    log.exception("following session facts failed; retrying")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), timeout=poll_interval)
+        finally:
+            await close_quietly(listener)
+
+    async def _apply_facts(self, after: tuple[int, int]) -> tuple[int, int]:
+        facts = await self.store.read_types(_FOLLOWED, after=after)
+        for fact in facts:
+            cached = self._sessions.get(fact.session_id or "")
+            if cached is None:
+                continue  # not cached here: loaded from the log, with this fact, when needed
+            if fact.type == EventType.SESSION_FINISHED:
+                cached.status = fact.payload.get("status", "completed")
+            else:
+                cached.discarded = fact.payload.get("reason") or "discarded"
+        return (facts[-1].tx_id, facts[-1].position) if facts else after
 
     async def ready_for_requests(self, session_id: str) -> Session:
         """The session, if it may take model requests now; `Conflict` saying why not."""
@@ -189,7 +249,7 @@ class SessionRegistry:
 
     async def finish(self, session_id: str, request: Finish) -> Session:
         """Make every event of the session durable, then record that it finished."""
-        session = await self.get(session_id)
+        session = await self.get(session_id, fresh=True)
         if session.status != "active":
             if session.status == request.status:
                 return session  # a retried finish
@@ -201,13 +261,13 @@ class SessionRegistry:
 
     async def reward(self, session_id: str, request: Reward) -> Session:
         """Record a reward (a later one corrects an earlier one)."""
-        session = await self.get(session_id)
+        session = await self.get(session_id, fresh=True)
         await self._append(session, EventType.REWARD_ASSIGNED, request.model_dump())
         return session
 
     async def discard(self, session_id: str, request: Discard) -> Session:
         """Record that the session must not be trained on; it stays in the log."""
-        session = await self.get(session_id)
+        session = await self.get(session_id, fresh=True)
         await self._append(session, EventType.SESSION_DISCARDED, request.model_dump())
         session.discarded = request.reason
         return session

@@ -184,6 +184,20 @@ class EventStore:
             rows = await conn.fetch(queries.READ_ALL, tx_id, after, limit)
         return [RecordedEvent(r) for r in rows]
 
+    async def horizon(self) -> tuple[int, int]:
+        """The point in global order (tx_id, position) below which nothing can appear any more."""
+        async with unavailable_as_store_error():
+            return int(await self.pool.fetchval(queries.SNAPSHOT_XMIN)), 0
+
+    async def read_types(
+        self, types: list[str], *, after: tuple[int, int], limit: int = 1000
+    ) -> list[RecordedEvent]:
+        """Events of these types after the point `after` = (tx_id, position), in global order
+        and below the horizon (the read_all rules); cheap for rare types (session facts)."""
+        async with unavailable_as_store_error():
+            rows = await self.pool.fetch(queries.READ_TYPES, after[0], after[1], types, limit)
+        return [RecordedEvent(r) for r in rows]
+
     @staticmethod
     async def tx_id_of(conn: asyncpg.Connection, position: int) -> int:
         """The writing transaction of the event at `position` (0 before the first event)."""

@@ -70,6 +70,16 @@ ORDER BY tx_id, position
 LIMIT $3
 """
 
+#: Events of some types only, in global order below the horizon, after a (tx_id, position) point.
+READ_TYPES = f"""
+SELECT {EVENT_COLUMNS} FROM events
+WHERE (tx_id, position) > ($1::xid8, $2::int8)
+  AND tx_id < pg_snapshot_xmin(pg_current_snapshot())
+  AND event_type = ANY($3::text[])
+ORDER BY tx_id, position
+LIMIT $4
+"""
+
 TX_ID_OF_POSITION = "SELECT tx_id FROM events WHERE position = $1"
 
 SNAPSHOT_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())"

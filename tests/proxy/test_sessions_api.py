@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import openai
@@ -169,3 +170,32 @@ async def test_nul_characters_are_served_and_recorded_as_replacement_characters(
     record = (await proxy.http.get(f"{proxy.url}/sessions/{session['session_id']}")).json()
     assert record["turns"][0]["messages"][0]["content"] == "binary\ufffdoutput"
     assert len(record["turns"][0]["prompt_token_ids"]) > 0
+
+
+async def test_a_session_finished_on_one_replica_is_closed_on_the_others(
+    start_proxy: ProxyFactory, engine: FakeEngine
+) -> None:
+    a = await start_proxy([engine.url], session_secret="shared")
+    b = await start_proxy([engine.url], session_secret="shared")
+    session = await a.new_session()
+    sid = session["session_id"]
+    on_b = b.agent({**session, "base_url": session["base_url"].replace(a.url, b.url)})
+    await on_b.chat.completions.create(**CHAT)  # replica b now has the session in its cache
+
+    assert (await post(a, f"/sessions/{sid}/finish", {"status": "completed"})).status_code == 200
+    # b hears of it from the log within moments, and refuses further model calls.
+    refusal = ""
+    for _ in range(100):
+        try:
+            await on_b.chat.completions.create(**CHAT)
+        except openai.ConflictError as exc:
+            refusal = str(exc)
+            break
+        await asyncio.sleep(0.02)
+    assert "is finished (completed)" in refusal
+    # Facts always read the session fresh: b refuses a contradicting finish at once.
+    assert (await post(b, f"/sessions/{sid}/finish", {"status": "error"})).status_code == 409
+    discarded = await post(a, f"/sessions/{sid}/discard", {"reason": "leak"})
+    assert discarded.status_code == 200
+    record = (await b.http.get(f"{b.url}/sessions/{sid}")).json()
+    assert (record["status"], record["discarded"]) == ("completed", "leak")
