@@ -20,6 +20,10 @@ Deliberate choices, each tested:
 - with `n > 1`, the choice the next turn continues from stays in the sample; the other choices of
   that turn become one-turn samples of their own (`alternative_of` names the turn);
 - an empty completion extends the sample by nothing; a completion cut by `length` is kept as is;
+- a turn whose decoding was constrained (a forced tool call, a JSON format, guided decoding)
+  keeps its tokens (mask 1) but gets NaN behaviour logprobs: the engine reported the logprobs
+  of the grammar-masked distribution, not the model's (see `TurnRecord.constrained_by`); the
+  trainer leaves tokens without behaviour logprobs out of the importance-weighted loss;
 - every branch of a session carries the session's reward (the episode's outcome) and says
   whether it is the final branch (`is_final`).
 """
@@ -123,7 +127,9 @@ class Sample:
         self.turns.append(index)
         ids = _ids(choice.token_ids)
         logprobs = np.asarray(choice.logprobs, dtype=np.float32)
-        if len(logprobs) != len(ids):
+        if len(logprobs) != len(ids) or turn.constrained_by is not None:
+            # None given, or those of a grammar-masked distribution (see
+            # TurnRecord.constrained_by): no behaviour logprobs. The tokens stay, mask 1.
             logprobs = np.full(len(ids), np.nan, np.float32)
         self._ids.append(ids)
         self._lengths.append(len(ids))

@@ -61,6 +61,12 @@ class ChoiceRecord:
         }
 
 
+#: vLLM's request options that constrain decoding with a grammar.
+_GUIDED_OPTIONS = (
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+)  # fmt: skip
+
+
 @dataclass
 class TurnRecord:
     """One model request of a session, as recorded."""
@@ -81,6 +87,30 @@ class TurnRecord:
     latency_s: float | None = None
     ttft_s: float | None = None
     first_position: int = 0
+
+    @property
+    def constrained_by(self) -> str | None:
+        """What constrained the engine's decoding (a forced tool call, a JSON format, a vLLM
+        guided-decoding option), or None.
+
+        The engine then samples from the grammar-masked distribution, and the logprobs it
+        reports (vLLM: even `raw_logprobs`) are that distribution's, not the model's: measured
+        on vLLM 0.32, a forced tool call's tokens came back with logprobs near 0 where the model
+        gave them about -6. They are no behaviour logprobs for an importance ratio.
+        """
+        choice = self.body.get("tool_choice")
+        if choice == "required" or isinstance(choice, dict):
+            return "tool_choice"
+        response_format = self.body.get("response_format")
+        if isinstance(response_format, dict) and response_format.get("type") in (
+            "json_object",
+            "json_schema",
+        ):
+            return "response_format"
+        for key in _GUIDED_OPTIONS:
+            if self.body.get(key) is not None:
+                return key
+        return None
 
     def choice(self, index: int) -> ChoiceRecord:
         """The choice with this index, created on first use."""
@@ -104,6 +134,7 @@ class TurnRecord:
             "prompt_token_ids": self.prompt_token_ids,
             "choices": [self.choices[i].as_json() for i in sorted(self.choices)],
             "status": self.status,
+            "constrained_by": self.constrained_by,
             "failure": self.failure,
             "usage": self.usage,
             "latency_s": self.latency_s,

@@ -93,6 +93,11 @@ def prompt_logprobs_of(answer: dict[str, Any], tokens: list[int], start: int) ->
 
 
 def _note(turn: TurnRecord) -> str | None:
+    if turn.constrained_by is not None:
+        return (
+            f"decoding constrained by {turn.constrained_by}: the recorded logprobs are those of "
+            "the grammar-masked distribution and differ by design"
+        )
     temperature = turn.sampling.get("temperature", turn.body.get("temperature"))
     processed = (turn.logprobs_mode or "").startswith("processed")
     if processed and temperature not in (None, 1, 1.0):

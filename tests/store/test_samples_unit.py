@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
+
 from store.samples import build_samples, sample_id
 from store.sessions import ChoiceRecord, SessionRecord, TurnRecord
 
@@ -144,3 +146,27 @@ def test_missing_logprobs_are_nan_not_invented() -> None:
     t1.choices[0].logprobs = []
     [sample] = build_samples(session(t1))
     assert all(math.isnan(v) for v in sample.logprobs[2:])
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"tool_choice": "required"},
+        {"tool_choice": {"type": "function", "function": {"name": "add"}}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        {"guided_regex": "[0-9]+"},
+    ],
+)
+def test_a_constrained_turn_keeps_its_tokens_but_has_no_behaviour_logprobs(
+    constraint: dict[str, Any],
+) -> None:
+    forced = turn([1, 10], [20, 21, EOS])
+    forced.body.update(constraint)
+    free = turn([1, 10, 20, 21, EOS, 30], [40, EOS])
+    assert forced.constrained_by is not None and free.constrained_by is None
+    [sample] = build_samples(session(forced, free))
+    assert sample.token_ids == [1, 10, 20, 21, EOS, 30, 40, EOS]
+    assert sample.loss_mask == [0, 0, 1, 1, 1, 0, 1, 1]
+    logprobs = sample.logprobs
+    assert all(math.isnan(x) for x in logprobs[2:5])  # grammar-masked: not the model's
+    assert logprobs[6:] == [-0.5, -0.5]  # the free turn's, as recorded
