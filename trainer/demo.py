@@ -227,7 +227,11 @@ async def wait_for_samples(
 
 
 async def train_on_samples(
-    database_url: str, run_id: str, model_dir: Path | None, steps: int
+    database_url: str,
+    run_id: str,
+    model_dir: Path | None,
+    steps: int,
+    on_step: Callable[[dict[str, float]], None] | None = None,
 ) -> list[dict[str, float]] | None:
     """A few off-policy GRPO steps (`trainer.recipe`) on the run's samples; each step's metrics.
 
@@ -242,7 +246,9 @@ async def train_on_samples(
         sql = "SELECT count(*) FROM samples WHERE run_id = $1 AND status = 'completed'"
         if not await store.pool.fetchval(sql, run_id):
             return None
-    return await train_steps(database_url, run_id, model_dir, steps, training_run=f"{run_id}-train")
+    return await train_steps(
+        database_url, run_id, model_dir, steps, training_run=f"{run_id}-train", on_step=on_step
+    )
 
 
 def summary_queries(run_id: str) -> dict[str, str]:
@@ -290,7 +296,7 @@ async def print_summary(
     if training is None:
         console.print("\ntraining: none (no local model, or no completed sample)")
         return
-    columns = ("step", "loss", "reward_mean", "ratio_mean", "kl_k3")
+    columns = ("step", "loss", "reward_mean", "ratio_mean", "kl_k3", "missing_behaviour_fraction")
     table = Table(title="training steps (trainer.recipe: GRPO, off-policy)", title_justify="left")
     for column in columns:
         table.add_column(column, justify="right")
@@ -334,8 +340,11 @@ async def run_demo(
             ))  # fmt: skip
         with console.status("the projector turns the sessions into samples"):
             await wait_for_samples(store, running.projecting, run_id, len(results), timeout=60)
-    with console.status(f"training {train_steps} steps on the samples"):
-        training = await train_on_samples(database_url, run_id, model_dir, train_steps)
+    with Progress(console=console, transient=True) as progress:
+        bar = progress.add_task(f"training {train_steps} steps on the samples", total=train_steps)
+        training = await train_on_samples(
+            database_url, run_id, model_dir, train_steps, lambda _: progress.advance(bar)
+        )
     async with await EventStore.open(database_url) as store:
         await print_summary(console, store, run_id, results, training)
 
