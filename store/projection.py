@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import asyncpg
@@ -238,14 +238,16 @@ class Projector:
             event = RecordedEvent(row)
             by_session[event.session_id].append(event)  # type: ignore[index]
         await conn.execute(queries.DELETE_SESSION_SAMPLES, session_ids, version)
-        records = []
-        for session_id, events in by_session.items():
-            session = rebuild_session(session_id, events, arrays=True)
-            if session.status == "active" or session.discarded is not None:
-                continue  # never samples: not finished yet, or excluded from training
-            last_position = max(e.position for e in events)
-            records += [sample_row(s, last_position, version) for s in build_samples(session)]
-        if records:
-            await conn.copy_records_to_table(
-                "samples", records=records, columns=queries.SAMPLE_COLUMNS
-            )
+
+        async def rows() -> AsyncIterator[tuple[Any, ...]]:
+            # Built while COPY streams: PostgreSQL stores one session's rows while the next
+            # session is folded here.
+            for session_id, events in by_session.items():
+                session = rebuild_session(session_id, events, arrays=True)
+                if session.status == "active" or session.discarded is not None:
+                    continue  # never samples: not finished yet, or excluded from training
+                last_position = max(e.position for e in events)
+                for sample in build_samples(session):
+                    yield sample_row(sample, last_position, version)
+
+        await conn.copy_records_to_table("samples", records=rows(), columns=queries.SAMPLE_COLUMNS)

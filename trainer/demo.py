@@ -76,6 +76,10 @@ class Task:
         return self.a + self.b if self.op == "add" else self.a * self.b
 
 
+#: Agents that answer the same question: a GRPO group (a group of one has no advantage).
+GROUP_SIZE = 2
+
+
 def make_tasks(count: int, seed: int = 0) -> list[Task]:
     """`count` questions; the seed picks them."""
     rng = random.Random(seed)
@@ -321,7 +325,9 @@ async def run_demo(
     train_steps: int,
 ) -> None:
     """Serve the stack, run the agents at once, wait for their samples, summarise."""
-    tasks = make_tasks(agents, seed)
+    # Each question goes to GROUP_SIZE agents (one GRPO group): advantages compare their rewards.
+    questions = make_tasks((agents + GROUP_SIZE - 1) // GROUP_SIZE, seed)
+    tasks = [question for question in questions for _ in range(GROUP_SIZE)][:agents]
     async with (
         serving(settings, database_url, poll_interval=0.5) as running,
         httpx.AsyncClient(timeout=120) as http,
