@@ -147,11 +147,14 @@ async def test_the_reader_role_reads_the_views_and_nothing_else(
         await conn.close()
 
 
-def trajstore(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+def trajstore(
+    database_url: str, *args: str, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url, "COLUMNS": "200"}
     return subprocess.run(
-        [sys.executable, "-m", "store", *args], env=env, capture_output=True, text=True, timeout=60
-    )
+        [sys.executable, "-m", "store", *args],
+        input=stdin, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
 
 
 async def test_trajstore_sql_prints_a_table(recorded: EventStore, database_url: str) -> None:
@@ -176,3 +179,11 @@ async def test_trajstore_sql_is_read_only_and_says_what_is_wrong(
     typo = trajstore(database_url, "sql", "SELECT nope FROM trajectories")
     assert typo.returncode == 1 and 'column "nope" does not exist' in typo.stderr
     assert await recorded.pool.fetchval("SELECT count(*) FROM samples") > 0
+
+
+async def test_trajstore_sql_without_a_query_opens_psql_on_the_store(
+    recorded: EventStore, database_url: str
+) -> None:
+    done = trajstore(database_url, "sql", stdin="SELECT count(*) AS sessions FROM trajectories;\n")
+    assert done.returncode == 0, done.stderr
+    assert "sessions" in done.stdout and " 6\n" in done.stdout  # psql's table, on this database
