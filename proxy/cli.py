@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from store.embedded import database_url, port_in_use
+from store.settings import StoreSettings
+
+if TYPE_CHECKING:
+    from proxy.settings import ProxySettings
 
 
 def free_port_from(host: str, port: int, attempts: int = 50) -> int:
@@ -13,6 +19,40 @@ def free_port_from(host: str, port: int, attempts: int = 50) -> int:
         if not port_in_use(host, candidate):
             return candidate
     raise click.ClickException(f"no free port in {port}..{port + attempts - 1} on {host}")
+
+
+def engine_urls(engines: tuple[str, ...] | list[str]) -> list[str]:
+    """The engine URLs of repeated --engine options, each of which may be comma-separated."""
+    return [u.strip() for e in engines for u in e.split(",") if u.strip()]
+
+
+def proxy_settings(
+    engines: list[str],
+    host: str,
+    port: int,
+    next_free_port: bool,
+    public_url: str | None,
+    policy_version: str,
+) -> ProxySettings:
+    """The proxy's settings from its command-line options (and TRAJSTORE_* for the rest)."""
+    from proxy.settings import ProxySettings
+
+    if port_in_use(host, port):
+        if not next_free_port:
+            raise click.ClickException(
+                f"port {port} on {host} is in use; choose another with --port, "
+                "or pass --next-free-port"
+            )
+        port = free_port_from(host, port)
+    return ProxySettings(
+        engines=engines, host=host, port=port, public_url=public_url, policy_version=policy_version
+    )
+
+
+def store_settings_of(ctx: click.Context) -> StoreSettings:
+    """The store settings the `trajstore` group made from its options."""
+    settings: StoreSettings | None = (ctx.find_object(dict) or {}).get("settings")
+    return settings or StoreSettings()
 
 
 @click.command("proxy")
@@ -44,22 +84,11 @@ def proxy(
     import uvicorn
 
     from proxy.app import create_app
-    from proxy.settings import ProxySettings
 
-    urls = [u.strip() for e in engines for u in e.split(",") if u.strip()]
+    urls = engine_urls(engines)
     if not urls:
         raise click.UsageError("name at least one engine: --engine http://HOST:PORT")
-    if port_in_use(host, port):
-        if not next_free_port:
-            raise click.ClickException(
-                f"port {port} on {host} is in use; choose another with --port, "
-                "or pass --next-free-port"
-            )
-        port = free_port_from(host, port)
-    settings = ProxySettings(
-        engines=urls, host=host, port=port, public_url=public_url, policy_version=policy_version
-    )
-    store_settings = (ctx.find_object(dict) or {}).get("settings")
-    app = create_app(settings, database_url(store_settings))
-    click.echo(f"trajstore proxy on http://{host}:{port} -> {', '.join(urls)}")
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    settings = proxy_settings(urls, host, port, next_free_port, public_url, policy_version)
+    app = create_app(settings, database_url(store_settings_of(ctx)))
+    click.echo(f"trajstore proxy on http://{host}:{settings.port} -> {', '.join(urls)}")
+    uvicorn.run(app, host=host, port=settings.port, log_level="warning", access_log=False)

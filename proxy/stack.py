@@ -30,11 +30,11 @@ from typing import Any
 
 import click
 
-from proxy.cli import free_port_from
+from proxy.cli import engine_urls, free_port_from, proxy_settings, store_settings_of
 from proxy.cli import proxy as proxy_command
 from proxy.settings import ProxySettings
 from proxy.vllm_server import VllmServer
-from store.embedded import EmbeddedPostgres, port_in_use
+from store.embedded import EmbeddedPostgres
 from store.settings import StoreSettings
 
 log = logging.getLogger(__name__)
@@ -172,33 +172,6 @@ def backends(store_settings: StoreSettings, engines: list[str]) -> Iterator[Back
             embedded.stop()
 
 
-def proxy_settings(
-    engines: list[str],
-    host: str,
-    port: int,
-    next_free_port: bool,
-    public_url: str | None,
-    policy_version: str,
-) -> ProxySettings:
-    """The proxy's settings from its command-line options (and TRAJSTORE_* for the rest)."""
-    if port_in_use(host, port):
-        if not next_free_port:
-            raise click.ClickException(
-                f"port {port} on {host} is in use; choose another with --port, "
-                "or pass --next-free-port"
-            )
-        port = free_port_from(host, port)
-    return ProxySettings(
-        engines=engines, host=host, port=port, public_url=public_url, policy_version=policy_version
-    )
-
-
-def store_settings_of(ctx: click.Context) -> StoreSettings:
-    """The store settings the `trajstore` group made from its options."""
-    settings: StoreSettings | None = (ctx.find_object(dict) or {}).get("settings")
-    return settings or StoreSettings()
-
-
 @click.command("up")
 @click.option("--poll-interval", default=1.0, show_default=True,
               help="Seconds between the projector's polls (NOTIFY wakes it sooner).")  # fmt: skip
@@ -217,7 +190,7 @@ def up(
 
     With no --engine, starts a local vLLM on a generated tiny model. Ctrl-C stops all of it.
     """
-    urls = [u.strip() for e in engines for u in e.split(",") if u.strip()]
+    urls = engine_urls(engines)
     settings = proxy_settings(urls, host, port, next_free_port, public_url, policy_version)
     with backends(store_settings_of(ctx), urls) as found:
         settings.engines = found.engines
