@@ -10,9 +10,9 @@ import contextlib
 import importlib
 import logging
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import click
 
@@ -30,24 +30,34 @@ _PLUGIN_COMMANDS: dict[str, str] = {
 }
 
 
-class TrajstoreGroup(click.Group):
-    """A click group that loads commands of optional packages lazily and turns store errors
-    into one clear line instead of a traceback."""
+class LazyGroup(click.Group):
+    """A click group whose commands named in `lazy` ("module:attribute") are imported on first
+    use, so `--help` stays fast and an optional part that is missing says so."""
+
+    lazy: ClassVar[Mapping[str, str]] = {}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*super().list_commands(ctx), *_PLUGIN_COMMANDS])
+        return sorted([*super().list_commands(ctx), *self.lazy])
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name in _PLUGIN_COMMANDS:
-            module, _, attribute = _PLUGIN_COMMANDS[name].partition(":")
+        if name in self.lazy:
+            module, _, attribute = self.lazy[name].partition(":")
             try:
                 command: click.Command = getattr(importlib.import_module(module), attribute)
             except ImportError as exc:
                 raise click.ClickException(
-                    f"`trajstore {name}` needs an optional part that is not installed ({exc})"
+                    f"`{ctx.command_path} {name}` needs an optional part that is not installed "
+                    f"({exc})"
                 ) from exc
             return command
         return super().get_command(ctx, name)
+
+
+class TrajstoreGroup(LazyGroup):
+    """The `trajstore` group: commands of optional packages load lazily, and store errors
+    become one clear line instead of a traceback."""
+
+    lazy = _PLUGIN_COMMANDS
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

@@ -8,28 +8,20 @@ Subcommands are imported on first use, so `--help` stays fast and needs no torch
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Mapping
 from pathlib import Path
+from typing import ClassVar
 
 import click
 
-#: name -> "module:attribute" of each subcommand.
-_SUBCOMMANDS: dict[str, str] = {"session": "trainer.timeline:session"}
+from store.cli import LazyGroup
 
 
-class _LazyGroup(click.Group):
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*super().list_commands(ctx), *_SUBCOMMANDS])
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name in _SUBCOMMANDS:
-            module, _, attribute = _SUBCOMMANDS[name].partition(":")
-            command: click.Command = getattr(importlib.import_module(module), attribute)
-            return command
-        return super().get_command(ctx, name)
+class _ReplayGroup(LazyGroup):
+    lazy: ClassVar[Mapping[str, str]] = {"session": "trainer.timeline:session"}
 
 
-@click.group(cls=_LazyGroup, invoke_without_command=True)
+@click.group(cls=_ReplayGroup, invoke_without_command=True)
 @click.option("--training-run", help="The training run whose step to rebuild.")
 @click.option("--step", type=int, help="The step to rebuild.")
 @click.option(
