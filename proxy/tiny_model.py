@@ -24,6 +24,7 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -104,6 +105,22 @@ _WORDS = (  # noqa: SIM905
 ).split()
 
 
+def arithmetic_tool(name: str) -> dict[str, Any]:
+    """The toy world's tool `name` ("add" or "multiply"), as an OpenAI tool definition."""
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name.capitalize()} two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+
+
 def _toy_corpus(rng: random.Random, count: int) -> Iterator[str]:
     """Yield `count` sentences from the toy arithmetic-with-tools world the tests talk about.
 
@@ -129,19 +146,7 @@ def _toy_corpus(rng: random.Random, count: int) -> Iterator[str]:
         elif kind == 4:
             yield f"{a} {sign} {b} = {result}. The answer is {result}."
         elif kind == 5:
-            tool = {
-                "type": "function",
-                "function": {
-                    "name": name,
-                    "description": f"{name.capitalize()} two integers.",
-                    "parameters": {
-                        "type": "object",
-                        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                        "required": ["a", "b"],
-                    },
-                },
-            }
-            yield json.dumps(tool)
+            yield json.dumps(arithmetic_tool(name))
         elif kind == 6:
             role = rng.choice(["system", "user", "assistant", "tool"])
             yield f"{IM_START}{role}\n{DEFAULT_SYSTEM_PROMPT}{IM_END}\n"

@@ -34,25 +34,14 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from proxy.stack import backends, proxy_settings, serving, store_settings_of
+from proxy.cli import proxy_settings, store_settings_of
+from proxy.stack import backends, serving
+from proxy.tiny_model import arithmetic_tool
 from store.eventstore import EventStore
 from store.sql import print_query
 
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": f"{name.capitalize()} two integers.",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                "required": ["a", "b"],
-            },
-        },
-    }
-    for name in ("add", "multiply")
-]
+#: The tools of the toy world the tiny model's tokenizer was trained on.
+TOOLS: list[dict[str, Any]] = [arithmetic_tool(name) for name in ("add", "multiply")]
 SYSTEM_PROMPT = "Use the tools to compute. Then answer with the number only."
 _RUN_ID = re.compile(r"^[A-Za-z0-9._:-]+$")
 
