@@ -209,10 +209,14 @@ async def timed(work: Callable[[], Awaitable[int]]) -> tuple[float, int]:
     return time.perf_counter() - started, tokens
 
 
-def line(name: str, ours: list[float], raw: list[float], tokens: int) -> str:
+def line(
+    name: str, ours: list[float], raw: list[float], tokens: int, *, label: str = "trajstore",
+    width: int = 14,
+) -> str:  # fmt: skip
+    """One result: medians as tokens/s and the ratio raw time / our time."""
     mine, base = statistics.median(ours), statistics.median(raw)
     return (
-        f"{name:<14} trajstore {tokens / mine / 1e6:6.2f} M tokens/s   "
+        f"{name:<{width}} {label} {tokens / mine / 1e6:6.2f} M tokens/s   "
         f"raw {tokens / base / 1e6:6.2f} M tokens/s   ratio {base / mine:5.2f}x"
     )
 

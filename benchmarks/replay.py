@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 
 import asyncpg
 import numpy as np
+from ingest import Databases, line, timed  # benchmarks/ingest.py, next to this file
 
-from store import EventStore, migrations
+from store import EventStore
 from store.connection import asyncpg_dsn
 from store.embedded import database_url
 from store.samples import PROJECTION_VERSION
@@ -106,30 +105,11 @@ async def replayed(store: EventStore, **layout: object) -> int:
     return tokens
 
 
-async def timed(work: Callable[[], Awaitable[int]]) -> tuple[float, int]:
-    started = time.perf_counter()
-    tokens = await work()
-    return time.perf_counter() - started, tokens
-
-
-def line(name: str, ours: list[float], raw: list[float], tokens: int) -> str:
-    mine, base = statistics.median(ours), statistics.median(raw)
-    return (
-        f"{name:<8} replay {tokens / mine / 1e6:6.2f} M tokens/s   "
-        f"raw {tokens / base / 1e6:6.2f} M tokens/s   ratio {base / mine:5.2f}x"
-    )
-
-
 async def main(n_tokens: int, sample_tokens: int, runs: int, batch_size: int, budget: int) -> None:
-    server = await asyncio.to_thread(database_url)
-    base, _, query = server.partition("?")
-    name = f"trajstore_bench_replay_{uuid.uuid4().hex[:8]}"
-    url = f"{base.rpartition('/')[0]}/{name}" + (f"?{query}" if query else "")
-    admin_url = f"{base.rpartition('/')[0]}/postgres" + (f"?{query}" if query else "")
-    admin = await asyncpg.connect(asyncpg_dsn(admin_url))
-    await admin.execute(f'CREATE DATABASE "{name}"')
+    databases = Databases(await asyncio.to_thread(database_url))
+    await databases.setup()  # one fresh, migrated database is all this needs
+    url = databases.url_of(databases.template)
     try:
-        await asyncio.to_thread(migrations.upgrade, url)
         rows = make_rows(n_tokens, sample_tokens)
         conn = await asyncpg.connect(asyncpg_dsn(url))
         store = await EventStore.open(url, max_size=2)  # open once, like the raw connection
@@ -155,11 +135,10 @@ async def main(n_tokens: int, sample_tokens: int, runs: int, batch_size: int, bu
             await conn.close()
             await store.close()
     finally:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.close()
+        await databases.drop_all()
     print(f"medians of {runs} runs; ratio = raw time / replay time (1.00x = as fast as raw)")
-    print(line("padded", times["padded"], times["raw"], total))
-    print(line("packed", times["packed"], times["raw"], total))
+    print(line("padded", times["padded"], times["raw"], total, label="replay", width=8))
+    print(line("packed", times["packed"], times["raw"], total, label="replay", width=8))
 
 
 if __name__ == "__main__":
