@@ -183,8 +183,9 @@ class Projector:
             tx_id, position = (
                 (checkpoint["tx_id"], checkpoint["position"]) if checkpoint else (0, 0)
             )
+            # Only the facts that change a session's samples; its other events are read later.
             facts = await conn.fetch(
-                queries.READ_SESSION_FACTS, tx_id, position, SESSION_FACTS, self.batch_size
+                queries.READ_TYPES, tx_id, position, SESSION_FACTS, self.batch_size
             )
             if not facts:
                 return 0, 0

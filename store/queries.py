@@ -99,16 +99,6 @@ SCHEMA_PRESENT = "SELECT to_regclass('events') IS NOT NULL"
 
 # -- the samples projection --------------------------------------------------------------------
 
-#: Only the facts that change a session's samples; chunk events are read per session, later.
-READ_SESSION_FACTS = """
-SELECT session_id, position, tx_id FROM events
-WHERE (tx_id, position) > ($1::xid8, $2::int8)
-  AND tx_id < pg_snapshot_xmin(pg_current_snapshot())
-  AND event_type = ANY($3::text[])
-ORDER BY tx_id, position
-LIMIT $4
-"""
-
 READ_CHECKPOINT = """
 SELECT tx_id, position FROM projection_checkpoints WHERE name = $1 AND version = $2
 """

@@ -30,8 +30,9 @@ def cell(value: Any, type_name: str, column: str, max_width: int) -> str:
         size = _PACKED.get(column)
         return f"<{len(value) // size} tokens>" if size else f"<{len(value)} bytes>"
     if type_name in ("json", "jsonb"):
-        text = value.decode() if isinstance(value, bytes | bytearray) else orjson.dumps(value)
-        text = text if isinstance(text, str) else text.decode()
+        # Store connections hand jsonb over as its raw JSON text (store.connection).
+        raw = value if isinstance(value, bytes | bytearray) else orjson.dumps(value)
+        text = bytes(raw).decode()
     elif isinstance(value, list | tuple):
         text = ", ".join(str(v) for v in value)
     elif isinstance(value, float):
