@@ -8,8 +8,6 @@ any replica sharing the secret can check it without a lookup, and no key is ever
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import hmac
 import logging
@@ -17,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import asyncpg
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.errors import BadRequest, Conflict, NotFound
@@ -31,10 +28,10 @@ from store import (
     StoreUnavailable,
     session_stream,
 )
-from store.connection import close_quietly, connect
 from store.events import MAX_ID_LENGTH
-from store.schema import NOTIFY_CHANNEL
+from store.schema import FACTS_CHANNEL
 from store.sessions import rebuild_session
+from store.subscription import wake_ups
 
 FinishStatus = Literal["completed", "aborted", "error", "timeout"]
 
@@ -122,7 +119,7 @@ class SessionRegistry:
 
     Each replica caches the sessions it has seen, so a model call costs no database read. Other
     replicas may finish or discard a cached session: `follow()` tails those facts from the log
-    (woken by NOTIFY, polling as the truth) and updates the cache, so within moments every
+    (woken by their NOTIFY, polling as the truth) and updates the cache, so within moments every
     replica refuses model calls on a finished session. Facts that change a session (finish,
     reward, discard) always read the session fresh from the log first.
     """
@@ -199,29 +196,20 @@ class SessionRegistry:
 
     async def follow(self, poll_interval: float = 1.0) -> None:
         """Keep cached sessions in step with finishes and discards made by other replicas."""
-        wake = asyncio.Event()
-        listener: asyncpg.Connection | None = None  # LISTEN needs a connection of its own
         # Facts below the horizon now were committed before: a session loaded later sees them.
         position = await self.store.horizon()
-        try:
-            while True:
-                try:
-                    if listener is None or listener.is_closed():
-                        listener = await connect(
-                            self.store.url, application_name="trajstore-sessions"
-                        )
-                        await listener.add_listener(NOTIFY_CHANNEL, lambda *_: wake.set())
-                    wake.clear()
-                    position = await self._apply_facts(position)
-                except StoreUnavailable as exc:
-                    log.warning("cannot follow session facts (%s); retrying", exc)
-                    listener = None
-                except Exception:  # keep following: a dead follower would go unnoticed
-                    log.exception("following session facts failed; retrying")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), timeout=poll_interval)
-        finally:
-            await close_quietly(listener)
+        async for _ in wake_ups(
+            self.store.url,
+            FACTS_CHANNEL,
+            poll_interval=poll_interval,
+            application_name="trajstore-sessions",
+        ):
+            try:
+                position = await self._apply_facts(position)
+            except StoreUnavailable as exc:
+                log.warning("cannot follow session facts (%s); retrying", exc)
+            except Exception:  # keep following: a dead follower would go unnoticed
+                log.exception("following session facts failed; retrying")
 
     async def _apply_facts(self, after: tuple[int, int]) -> tuple[int, int]:
         facts = await self.store.read_types(_FOLLOWED, after=after)

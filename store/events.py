@@ -56,6 +56,15 @@ class EventType(StrEnum):
     TRAINING_STEP = "training_step"
 
 
+#: The facts after which a session's samples must be (re)built, and that proxy replicas follow:
+#: the commit of one wakes listeners of `store.schema.FACTS_CHANNEL`.
+SESSION_FACTS = (
+    EventType.SESSION_FINISHED.value,
+    EventType.SESSION_DISCARDED.value,
+    EventType.REWARD_ASSIGNED.value,
+)
+
+
 class ExpectedVersion(IntEnum):
     """Special values for `append(..., expected_version=...)`; any int >= 0 is an exact version."""
 

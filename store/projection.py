@@ -19,8 +19,6 @@ against the old version still finds its samples after a rebuild.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -28,23 +26,17 @@ from typing import Any
 import asyncpg
 
 from store import queries
-from store.connection import close_quietly, connect, unavailable_as_store_error
+from store.connection import unavailable_as_store_error
 from store.errors import StoreUnavailable
-from store.events import EventType, RecordedEvent
+from store.events import SESSION_FACTS, RecordedEvent
 from store.eventstore import EventStore
 from store.samples import Sample, build_samples
-from store.schema import NOTIFY_CHANNEL
+from store.schema import FACTS_CHANNEL
 from store.sessions import rebuild_session
+from store.subscription import wake_ups
 from store.tokens import encode_logprobs, encode_token_ids
 
 log = logging.getLogger(__name__)
-
-#: The facts after which a session's samples must be (re)built.
-SESSION_FACTS = [
-    EventType.SESSION_FINISHED.value,
-    EventType.SESSION_DISCARDED.value,
-    EventType.REWARD_ASSIGNED.value,
-]
 
 
 def _integer_versions(versions: list[str]) -> tuple[int | None, int | None]:
@@ -199,33 +191,21 @@ class Projector:
         return len(sessions), len(facts)
 
     async def run_forever(self, poll_interval: float = 1.0) -> None:
-        """Project what is there, then follow the log: woken by NOTIFY, polling as the truth."""
-        wake = asyncio.Event()
-        listener: asyncpg.Connection | None = None
-        try:
-            while True:
-                if listener is None or listener.is_closed():
-                    try:
-                        listener = await connect(
-                            self.store.url, application_name="trajstore-projector"
-                        )
-                        await listener.add_listener(NOTIFY_CHANNEL, lambda *_: wake.set())
-                    except StoreUnavailable as exc:
-                        log.warning("projector cannot listen (%s); polling", exc)
-                        listener = None
-                wake.clear()
-                try:
-                    # Woken by a commit: wait for the horizon to pass it (usually at once).
-                    projected = await self.run_once(settle=min(poll_interval, 5.0))
-                except StoreUnavailable as exc:
-                    log.warning("projector lost PostgreSQL (%s); retrying", exc)
-                    projected = 0
-                if projected:
-                    log.info("projected %d sessions", projected)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), timeout=poll_interval)
-        finally:
-            await close_quietly(listener)
+        """Project what is there, then follow the log: woken by session facts, polling as truth."""
+        async for _ in wake_ups(
+            self.store.url,
+            FACTS_CHANNEL,
+            poll_interval=poll_interval,
+            application_name="trajstore-projector",
+        ):
+            try:
+                # Woken by a commit: wait for the horizon to pass it (usually at once).
+                projected = await self.run_once(settle=min(poll_interval, 5.0))
+            except StoreUnavailable as exc:
+                log.warning("projector lost PostgreSQL (%s); retrying", exc)
+                projected = 0
+            if projected:
+                log.info("projected %d sessions", projected)
 
     async def before_commit(self, conn: asyncpg.Connection) -> None:
         """Called inside the transaction, after everything is written (a hook for tests)."""

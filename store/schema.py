@@ -1,8 +1,11 @@
 """The database schema, declared once. Alembic revisions are tested to produce exactly this.
 
 The `events` table is the source of truth and is append-only: triggers refuse UPDATE, DELETE and
-TRUNCATE. A statement-level trigger sends a payload-less NOTIFY after every insert, so live
-subscribers wake up; they never trust the notification for content (see `store.subscription`).
+TRUNCATE. A statement-level trigger sends a payload-less NOTIFY on `NOTIFY_CHANNEL` after every
+insert, so live subscribers wake up; a row-level one notifies `FACTS_CHANNEL` only when a session
+fact (`store.events.SESSION_FACTS`) is inserted, so the projector and the proxy replicas, which
+care for nothing else, are not woken by every batch of tokens. Listeners never trust a
+notification for content (see `store.subscription`).
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ from sqlalchemy.dialects.postgresql.base import ischema_names
 from sqlalchemy.types import UserDefinedType
 
 from store import views
+from store.events import SESSION_FACTS
 
 #: The channel live subscribers LISTEN on. Notifications carry no payload: they are a wake-up.
 NOTIFY_CHANNEL = "trajstore_events"
+#: Notified when a transaction inserts a session fact (finish, discard, reward); no payload.
+FACTS_CHANNEL = "trajstore_facts"
 
 
 class XID8(UserDefinedType[int]):
@@ -81,6 +87,9 @@ events = Table(
     Index(None, "session_id", "tx_id", "position"),
     Index(None, "run_id"),
 )
+
+
+_FACT_TYPES = ", ".join(f"'{t}'" for t in SESSION_FACTS)  # SQL literals: plain identifiers
 
 
 def _ddl(statement: str) -> DDL:
@@ -194,6 +203,22 @@ $$"""
     _ddl(
         "CREATE TRIGGER events_notify AFTER INSERT ON events "
         "FOR EACH STATEMENT EXECUTE FUNCTION trajstore_notify_append()"
+    ),
+    _ddl(
+        f"""
+CREATE FUNCTION trajstore_notify_fact() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('{FACTS_CHANNEL}', '');
+    RETURN NULL;
+END
+$$"""
+    ),
+    # Row level with a WHEN clause: rows of other types queue no trigger call at all, and
+    # PostgreSQL sends a transaction's identical notifications once.
+    _ddl(
+        "CREATE TRIGGER events_notify_facts AFTER INSERT ON events FOR EACH ROW "
+        f"WHEN (NEW.event_type IN ({_FACT_TYPES})) "
+        "EXECUTE FUNCTION trajstore_notify_fact()"
     ),
 ]
 

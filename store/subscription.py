@@ -1,5 +1,8 @@
 """Live subscriptions: catch up on the log, then follow new events as they commit.
 
+`Subscription` delivers every event. `wake_ups` only says when to look again, for readers that
+run their own query (the projector and the proxy replicas, on the session-facts channel).
+
 A subscription owns one connection. It reads in global order (tx_id, position) below the
 oldest transaction still in flight, so it never skips a transaction that commits late. NOTIFY is
 only a wake-up: notifications can be lost (a dropped connection, a reconnect), so a timed poll is
@@ -124,3 +127,38 @@ class Subscription:
     async def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
         await close_quietly(conn)
+
+
+async def wake_ups(
+    url: str, channel: str, *, poll_interval: float, application_name: str
+) -> AsyncIterator[None]:
+    """Yield at once, then whenever `channel` is notified or `poll_interval` seconds pass.
+
+    The caller reads what it needs at each step; the timed poll is the truth, a notification
+    only makes it sooner. The LISTEN connection is the generator's own: lost, it is opened again
+    at the next step (polling goes on meanwhile); it closes with the generator.
+    """
+    wake = asyncio.Event()
+
+    def on_notify(*_: object) -> None:
+        wake.set()
+
+    listener: asyncpg.Connection | None = None
+    try:
+        while True:
+            if listener is None or listener.is_closed():
+                await close_quietly(listener)
+                listener = None
+                try:
+                    listener = await connect(url, application_name=application_name)
+                    await listener.add_listener(channel, on_notify)
+                except RETRYABLE_ERRORS as exc:
+                    log.warning("%s cannot LISTEN (%s); polling", application_name, exc)
+                    await close_quietly(listener)
+                    listener = None
+            wake.clear()  # a notification while the caller reads makes the next step immediate
+            yield
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=poll_interval)
+    finally:
+        await close_quietly(listener)

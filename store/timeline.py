@@ -28,9 +28,8 @@ from typing import Any
 from store import queries
 from store.connection import unavailable_as_store_error
 from store.errors import SessionNotFound
-from store.events import EventType, RecordedEvent, request_stream
+from store.events import SESSION_FACTS, EventType, RecordedEvent, request_stream
 from store.eventstore import EventStore
-from store.projection import SESSION_FACTS
 from store.samples import Sample, build_samples
 from store.sessions import SessionRecord, TurnRecord, rebuild_session
 

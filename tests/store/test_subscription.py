@@ -6,8 +6,10 @@ import asyncio
 
 import pytest
 
-from store import EventStore, RecordedEvent, StoreUnavailable
-from store.subscription import APPLICATION_NAME
+from store import EventStore, EventType, NewEvent, RecordedEvent, StoreUnavailable
+from store.events import session_stream
+from store.schema import FACTS_CHANNEL
+from store.subscription import APPLICATION_NAME, wake_ups
 from tests.support import chunk_event, eventually
 
 TERMINATE = """
@@ -95,3 +97,38 @@ async def test_gives_up_with_a_clear_error_when_the_server_stays_away() -> None:
     with pytest.raises(StoreUnavailable, match="subscription lost PostgreSQL"):
         async for _ in subscription:
             pass
+
+
+async def test_session_facts_wake_their_listeners_and_tokens_do_not(store: EventStore) -> None:
+    """The projector and proxy replicas sleep through token batches, and wake for a finish."""
+    steps = 0
+
+    async def listen() -> None:
+        nonlocal steps
+        # A long poll: every step after the first must come from a notification.
+        async for _ in wake_ups(
+            store.url, FACTS_CHANNEL, poll_interval=30.0, application_name="test-facts"
+        ):
+            steps += 1
+
+    listener = asyncio.create_task(listen())
+    try:
+        await eventually(lambda: steps == 1)
+        await asyncio.sleep(0.2)  # the LISTEN is in place
+        consumer = Consumer(store, poll_interval=30.0)  # every event, woken by the other channel
+        for i in range(5):
+            await store.append(f"tokens-{i}", [chunk_event("s-1", seed=i)])
+        await eventually(lambda: len(consumer.events) == 5, timeout=5)
+        await consumer.stop()
+        await asyncio.sleep(0.3)
+        assert steps == 1, "a token batch woke a session-facts listener"
+
+        finished = NewEvent(
+            EventType.SESSION_FINISHED, session_id="s-1", payload={"status": "completed"}
+        )
+        await store.append(session_stream("s-1"), [finished])
+        await eventually(lambda: steps == 2, timeout=5)
+    finally:
+        listener.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await listener
