@@ -91,3 +91,5 @@ def test_group_advantages_normalise_within_each_group() -> None:
     assert advantages[0] == pytest.approx(1.0, abs=1e-5)  # (1 - 0.5) / 0.5
     assert advantages[1] == pytest.approx(-1.0, abs=1e-5)
     assert advantages[2:] == [0.0, 0.0, 0.0, 0.0]  # equal rewards, a group of one, no group
+    # Equal rewards whose float mean is not exactly their value still say nothing: exactly 0.
+    assert group_advantages([0.1, 0.1, 0.1], ["a", "a", "a"]) == [0.0, 0.0, 0.0]
