@@ -156,11 +156,19 @@ SELECT count(*) FROM events
 WHERE event_type = ANY($1::text[]) AND tx_id < pg_snapshot_xmin(pg_current_snapshot())
 """
 
+# -- readers of samples ---------------------------------------------------------------------------
+
+#: The samples projection version readers use: the served one, 1 before any projector ran. (The
+#: `trajectories` view spells it out too: a view cannot take it from here.)
+SERVED_SAMPLES_VERSION = (
+    "coalesce((SELECT version FROM projection_serving WHERE name = 'samples'), 1)"
+)
+
 # -- export ---------------------------------------------------------------------------------------
 
-_EXPORT_FILTER = """
+_EXPORT_FILTER = f"""
 FROM samples s
-WHERE s.projection_version = (SELECT version FROM projection_serving WHERE name = 'samples')
+WHERE s.projection_version = {SERVED_SAMPLES_VERSION}
   AND ($1::text[] IS NULL OR s.run_id = ANY($1::text[]))
   AND ($2::text[] IS NULL OR s.status = ANY($2::text[]))
 """

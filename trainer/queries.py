@@ -6,6 +6,8 @@ parameters are numbered after the selection's.
 
 from __future__ import annotations
 
+from store.queries import SERVED_SAMPLES_VERSION
+
 #: What a replay needs to order and batch samples, before reading their arrays.
 SELECT_INDEX = """
 SELECT sample_id, session_id, group_id, reward, octet_length(token_ids) / 4 AS n_tokens,
@@ -22,12 +24,11 @@ WHERE projection_version = $1 AND sample_id = ANY($2::uuid[])
 """
 
 #: The given samples in the served projection version (the ledger rebuilds a step from these).
-READ_SERVED_SAMPLES = """
+READ_SERVED_SAMPLES = f"""
 SELECT sample_id, session_id, group_id, reward, token_ids, loss_mask, logprobs,
        policy_version_min, projection_version
 FROM samples
-WHERE projection_version = coalesce(
-        (SELECT version FROM projection_serving WHERE name = 'samples'), 1)
+WHERE projection_version = {SERVED_SAMPLES_VERSION}
   AND sample_id = ANY($1::uuid[])
 """
 

@@ -13,10 +13,8 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
+from store.queries import SERVED_SAMPLES_VERSION
 from trainer.errors import BadSelection
-
-#: The projection whose served version a selection reads by default (see `store.projection`).
-PROJECTION_NAME = "samples"
 
 #: Session statuses the projection writes: `completed`, `aborted`, `error`, `timeout`.
 DEFAULT_STATUSES = ("completed",)
@@ -136,11 +134,7 @@ class Selection:
             return f"${first_parameter + len(arguments) - 1}::{cast}"
 
         if self.projection_version is None:
-            name = parameter(PROJECTION_NAME, "text")
-            conditions.append(
-                "projection_version = coalesce("
-                f"(SELECT version FROM projection_serving WHERE name = {name}), 1)"
-            )
+            conditions.append(f"projection_version = {SERVED_SAMPLES_VERSION}")
         else:
             conditions.append(f"projection_version = {parameter(self.projection_version, 'int4')}")
         conditions.append(f"status = ANY({parameter(list(self.statuses), 'text[]')})")
