@@ -191,34 +191,26 @@ $$"""
         "CREATE TRIGGER events_no_truncate BEFORE TRUNCATE ON events "
         "FOR EACH STATEMENT EXECUTE FUNCTION trajstore_refuse_change()"
     ),
+    # One wake-up function; each trigger names its channel (TG_ARGV[0]).
     _ddl(
-        f"""
-CREATE FUNCTION trajstore_notify_append() RETURNS trigger LANGUAGE plpgsql AS $$
+        """
+CREATE FUNCTION trajstore_notify() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM pg_notify('{NOTIFY_CHANNEL}', '');
+    PERFORM pg_notify(TG_ARGV[0], '');
     RETURN NULL;
 END
 $$"""
     ),
     _ddl(
         "CREATE TRIGGER events_notify AFTER INSERT ON events "
-        "FOR EACH STATEMENT EXECUTE FUNCTION trajstore_notify_append()"
-    ),
-    _ddl(
-        f"""
-CREATE FUNCTION trajstore_notify_fact() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM pg_notify('{FACTS_CHANNEL}', '');
-    RETURN NULL;
-END
-$$"""
+        f"FOR EACH STATEMENT EXECUTE FUNCTION trajstore_notify('{NOTIFY_CHANNEL}')"
     ),
     # Row level with a WHEN clause: rows of other types queue no trigger call at all, and
     # PostgreSQL sends a transaction's identical notifications once.
     _ddl(
         "CREATE TRIGGER events_notify_facts AFTER INSERT ON events FOR EACH ROW "
         f"WHEN (NEW.event_type IN ({_FACT_TYPES})) "
-        "EXECUTE FUNCTION trajstore_notify_fact()"
+        f"EXECUTE FUNCTION trajstore_notify('{FACTS_CHANNEL}')"
     ),
 ]
 

@@ -80,7 +80,7 @@ async def test_migrations_produce_exactly_the_declared_schema(
     for name in CATALOG_QUERIES:
         assert migrated[name] == declared[name], name
     assert len(migrated["triggers"]) == 5
-    assert len(migrated["functions"]) == 3
+    assert len(migrated["functions"]) == 2
     assert [view for view, _ in migrated["views"]] == ["trajectories", "turns"]
     assert migrated["grants"] == [
         ("samples", "SELECT"), ("trajectories", "SELECT"), ("turns", "SELECT")
