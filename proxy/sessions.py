@@ -8,6 +8,7 @@ any replica sharing the secret can check it without a lookup, and no key is ever
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -198,18 +199,20 @@ class SessionRegistry:
         """Keep cached sessions in step with finishes and discards made by other replicas."""
         # Facts below the horizon now were committed before: a session loaded later sees them.
         position = await self.store.horizon()
-        async for _ in wake_ups(
+        steps = wake_ups(
             self.store.url,
             FACTS_CHANNEL,
             poll_interval=poll_interval,
             application_name="trajstore-sessions",
-        ):
-            try:
-                position = await self._apply_facts(position)
-            except StoreUnavailable as exc:
-                log.warning("cannot follow session facts (%s); retrying", exc)
-            except Exception:  # keep following: a dead follower would go unnoticed
-                log.exception("following session facts failed; retrying")
+        )
+        async with contextlib.aclosing(steps):  # closes the LISTEN connection when cancelled
+            async for _ in steps:
+                try:
+                    position = await self._apply_facts(position)
+                except StoreUnavailable as exc:
+                    log.warning("cannot follow session facts (%s); retrying", exc)
+                except Exception:  # keep following: a dead follower would go unnoticed
+                    log.exception("following session facts failed; retrying")
 
     async def _apply_facts(self, after: tuple[int, int]) -> tuple[int, int]:
         facts = await self.store.read_types(_FOLLOWED, after=after)

@@ -19,6 +19,7 @@ against the old version still finds its samples after a rebuild.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -192,20 +193,22 @@ class Projector:
 
     async def run_forever(self, poll_interval: float = 1.0) -> None:
         """Project what is there, then follow the log: woken by session facts, polling as truth."""
-        async for _ in wake_ups(
+        steps = wake_ups(
             self.store.url,
             FACTS_CHANNEL,
             poll_interval=poll_interval,
             application_name="trajstore-projector",
-        ):
-            try:
-                # Woken by a commit: wait for the horizon to pass it (usually at once).
-                projected = await self.run_once(settle=min(poll_interval, 5.0))
-            except StoreUnavailable as exc:
-                log.warning("projector lost PostgreSQL (%s); retrying", exc)
-                projected = 0
-            if projected:
-                log.info("projected %d sessions", projected)
+        )
+        async with contextlib.aclosing(steps):  # closes the LISTEN connection when cancelled
+            async for _ in steps:
+                try:
+                    # Woken by a commit: wait for the horizon to pass it (usually at once).
+                    projected = await self.run_once(settle=min(poll_interval, 5.0))
+                except StoreUnavailable as exc:
+                    log.warning("projector lost PostgreSQL (%s); retrying", exc)
+                    projected = 0
+                if projected:
+                    log.info("projected %d sessions", projected)
 
     async def before_commit(self, conn: asyncpg.Connection) -> None:
         """Called inside the transaction, after everything is written (a hook for tests)."""

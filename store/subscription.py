@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import asyncpg
 
@@ -131,12 +131,13 @@ class Subscription:
 
 async def wake_ups(
     url: str, channel: str, *, poll_interval: float, application_name: str
-) -> AsyncIterator[None]:
+) -> AsyncGenerator[None, None]:
     """Yield at once, then whenever `channel` is notified or `poll_interval` seconds pass.
 
     The caller reads what it needs at each step; the timed poll is the truth, a notification
     only makes it sooner. The LISTEN connection is the generator's own: lost, it is opened again
-    at the next step (polling goes on meanwhile); it closes with the generator.
+    at the next step (polling goes on meanwhile); it closes with the generator (use
+    `contextlib.aclosing`, so that happens at once when the caller is cancelled).
     """
     wake = asyncio.Event()
 

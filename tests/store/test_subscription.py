@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -14,6 +15,11 @@ from tests.support import chunk_event, eventually
 
 TERMINATE = """
 SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE application_name = $1 AND datname = current_database()
+"""
+
+LISTENERS = """
+SELECT count(*) FROM pg_stat_activity
 WHERE application_name = $1 AND datname = current_database()
 """
 
@@ -106,10 +112,10 @@ async def test_session_facts_wake_their_listeners_and_tokens_do_not(store: Event
     async def listen() -> None:
         nonlocal steps
         # A long poll: every step after the first must come from a notification.
-        async for _ in wake_ups(
-            store.url, FACTS_CHANNEL, poll_interval=30.0, application_name="test-facts"
-        ):
-            steps += 1
+        wakes = wake_ups(store.url, FACTS_CHANNEL, poll_interval=30.0, application_name="facts")
+        async with contextlib.aclosing(wakes):
+            async for _ in wakes:
+                steps += 1
 
     listener = asyncio.create_task(listen())
     try:
@@ -132,3 +138,10 @@ async def test_session_facts_wake_their_listeners_and_tokens_do_not(store: Event
         listener.cancel()
         with pytest.raises(asyncio.CancelledError):
             await listener
+    # Cancelled, the listener has closed its LISTEN connection (its backend ends a moment later).
+    for _ in range(100):
+        if await store.pool.fetchval(LISTENERS, "facts") == 0:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the LISTEN connection outlived its cancelled listener")
