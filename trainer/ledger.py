@@ -35,6 +35,7 @@ from tensordict import TensorDict
 from store import ConcurrencyError, EventStore, EventType, NewEvent
 from store.connection import unavailable_as_store_error
 from trainer import queries
+from trainer.arrays import decode_arrays
 from trainer.collate import Layout, ReplaySample, collate
 from trainer.errors import (
     SampleChanged,
@@ -43,7 +44,7 @@ from trainer.errors import (
     StepNotFound,
     TrainerError,
 )
-from trainer.replay import decode_arrays, open_store
+from trainer.replay import open_store
 
 
 def training_stream(training_run: str) -> str:

@@ -10,11 +10,11 @@
 How it reads. The driver reads the selection's index (sample ids and projection version, one
 small query: `trainer.queries.SELECT_INDEX` with `Selection.where()`); the ids, sorted and
 optionally shuffled with a seed, are cut into blocks of `rows_per_block`. Each block becomes one
-Ray task that fetches its rows from PostgreSQL (asyncpg, `trainer.queries.READ_ARRAYS`) and
-decodes the packed bytes with `store.tokens`, so the arrays never pass through the driver and
-the reading spreads over the cluster. `ray.data.read_sql` was the other candidate: it takes no
-typed parameters in the form `Selection` builds them (asyncpg's `$n::type`), and it shards by
-hashing a key on the server rather than by a fixed id list, which a training run wants to know.
+Ray task that fetches its rows from PostgreSQL and decodes the packed bytes (`trainer.arrays`,
+as the replay does), so the arrays never pass through the driver and the reading spreads over
+the cluster. `ray.data.read_sql` was the other candidate: it takes no typed parameters in the
+form `Selection` builds them (asyncpg's `$n::type`), and it shards by hashing a key on the
+server rather than by a fixed id list, which a training run wants to know.
 
 Reading ids first pins the set: a sample projected after the index was read is not in this
 dataset, and one that leaves the projection meanwhile (a discard, a rebuild) raises `SampleGone`
@@ -36,9 +36,9 @@ import numpy as np
 import ray.data
 
 from store.connection import connect, unavailable_as_store_error
-from store.tokens import decode_logprobs, decode_token_ids
 from trainer import queries
-from trainer.errors import BadSelection, SampleGone
+from trainer.arrays import Arrays, read_arrays
+from trainer.errors import BadSelection
 from trainer.selection import Selection
 
 #: Columns of the index the driver reads, carried into each row as they are.
@@ -56,33 +56,23 @@ async def _read_index(url: str, selection: Selection) -> list[dict[str, Any]]:
     return [dict(row) for row in rows]
 
 
-async def _read_rows(url: str, version: int, ids: list[uuid.UUID]) -> dict[uuid.UUID, Any]:
+async def _read_arrays(url: str, version: int, ids: list[uuid.UUID]) -> dict[uuid.UUID, Arrays]:
     async with unavailable_as_store_error():
         conn = await connect(url, application_name="trajstore-ray-read")
         try:
-            rows = await conn.fetch(queries.READ_ARRAYS, version, ids)
+            return await read_arrays(conn, version, ids)
         finally:
             await conn.close()
-    return {row["sample_id"]: row for row in rows}
 
 
 def _read_block(block: dict[str, np.ndarray], url: str, version: int) -> dict[str, Any]:
     """A Ray task: the rows of one block of the index, with their arrays read and decoded."""
     ids = [uuid.UUID(i) for i in block["sample_id"]]
-    found = asyncio.run(_read_rows(url, version, ids))
-    missing = [i for i in ids if i not in found]
-    if missing:
-        raise SampleGone(
-            f"{len(missing)} selected samples (e.g. {missing[0]}) left projection version "
-            f"{version} while the dataset was read (a session discarded, or a rebuild); read the "
-            "selection again"
-        )
+    found = asyncio.run(_read_arrays(url, version, ids))  # SampleGone when one left meanwhile
     out: dict[str, Any] = {name: block[name] for name in ("sample_id", *_INDEX_COLUMNS)}
-    arrays = [found[i] for i in ids]
     # Object columns of 1-D arrays of varying length: Ray keeps them as variable-shaped tensors.
-    out["token_ids"] = _column([decode_token_ids(r["token_ids"]) for r in arrays])
-    out["loss_mask"] = _column([np.frombuffer(r["loss_mask"], dtype=np.uint8) for r in arrays])
-    out["logprobs"] = _column([decode_logprobs(r["logprobs"]) for r in arrays])
+    for k, name in enumerate(("token_ids", "loss_mask", "logprobs")):
+        out[name] = _column([found[i][k] for i in ids])
     return out
 
 

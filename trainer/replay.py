@@ -29,16 +29,14 @@ from tensordict import TensorDict
 
 from store import EventStore
 from store.connection import unavailable_as_store_error
-from store.tokens import decode_logprobs, decode_token_ids
 from trainer import queries
 from trainer.advantages import group_advantages
+from trainer.arrays import Arrays, decode_arrays, read_arrays
 from trainer.collate import Layout, ReplaySample, collate
-from trainer.errors import BadSelection, SampleGone
+from trainer.errors import BadSelection
 from trainer.selection import Selection
 
 log = logging.getLogger(__name__)
-
-Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 #: Samples whose arrays one read fetches (whole batches), one read ahead of the trainer.
 READ_AHEAD_SAMPLES = 256
@@ -69,14 +67,6 @@ async def open_store(source: str | EventStore) -> AsyncIterator[EventStore]:
         await store.close()
 
 
-def decode_arrays(token_ids: bytes, loss_mask: bytes, logprobs: bytes) -> Arrays:
-    """The stored bytes as numpy views (`store.tokens`), the loss mask as uint8."""
-    tokens = decode_token_ids(token_ids)
-    probs = decode_logprobs(logprobs)
-    assert tokens is not None and probs is not None
-    return tokens, np.frombuffer(loss_mask, dtype=np.uint8), probs
-
-
 async def read_index(
     conn: asyncpg.Connection, selection: Selection
 ) -> tuple[int | None, list[IndexEntry]]:
@@ -95,22 +85,6 @@ async def read_index(
         )
         for row in rows
     ]
-
-
-async def read_arrays(
-    conn: asyncpg.Connection, version: int, ids: Sequence[uuid.UUID]
-) -> dict[uuid.UUID, Arrays]:
-    """The arrays of the given samples; `SampleGone` when one was removed meanwhile."""
-    rows = await conn.fetch(queries.READ_ARRAYS, version, list(ids))
-    found = {row["sample_id"]: decode_arrays(*row[1:]) for row in rows}
-    missing = [i for i in ids if i not in found]
-    if missing:
-        raise SampleGone(
-            f"{len(missing)} selected samples (e.g. {missing[0]}) left projection version "
-            f"{version} during the replay (a session discarded, or a rebuild switched versions); "
-            "start the replay again"
-        )
-    return found
 
 
 def shuffled(entries: list[IndexEntry], *, seed: int, shuffle: bool) -> list[IndexEntry]:

@@ -1,0 +1,43 @@
+"""The packed arrays of samples: read by id from one projection version, decoded to numpy.
+
+Torch-free, so Ray read tasks (`trainer.ray_data`) use it as the replay does.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+import asyncpg
+import numpy as np
+
+from store.tokens import decode_logprobs, decode_token_ids
+from trainer import queries
+from trainer.errors import SampleGone
+
+#: A sample's token ids (int32), loss mask (uint8) and behaviour logprobs (float32).
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def decode_arrays(token_ids: bytes, loss_mask: bytes, logprobs: bytes) -> Arrays:
+    """The stored bytes as numpy views (`store.tokens`), the loss mask as uint8."""
+    tokens = decode_token_ids(token_ids)
+    probs = decode_logprobs(logprobs)
+    assert tokens is not None and probs is not None
+    return tokens, np.frombuffer(loss_mask, dtype=np.uint8), probs
+
+
+async def read_arrays(
+    conn: asyncpg.Connection, version: int, ids: Sequence[uuid.UUID]
+) -> dict[uuid.UUID, Arrays]:
+    """The arrays of the given samples; `SampleGone` when one was removed meanwhile."""
+    rows = await conn.fetch(queries.READ_ARRAYS, version, list(ids))
+    found = {row["sample_id"]: decode_arrays(*row[1:]) for row in rows}
+    missing = [i for i in ids if i not in found]
+    if missing:
+        raise SampleGone(
+            f"{len(missing)} selected samples (e.g. {missing[0]}) left projection version "
+            f"{version} while they were read (a session discarded, or a rebuild switched "
+            "versions); read the selection again"
+        )
+    return found
