@@ -116,17 +116,24 @@ async def events_of(database_url: str) -> AsyncIterator[Callable[[str], Awaitabl
         await store.close()
 
 
-@pytest.fixture(scope="session")
-def vllm() -> Iterator[str]:
-    """One real vLLM (CPU build) for the whole test session, on a freshly generated tiny model.
-
-    Tests that use it carry the `vllm` mark (deselect with `-m "not vllm"`).
-    """
-    workdir = Path(tempfile.mkdtemp(prefix="trajstore-vllm-"))
-    model = build_tiny_model(workdir / "model")
+@contextlib.contextmanager
+def served_tiny_model(*, seed: int = 0, prefix: str = "trajstore-vllm-") -> Iterator[str]:
+    """A real vLLM (CPU build) on a freshly generated tiny model of `seed`: its URL."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    model = build_tiny_model(workdir / "model", seed=seed)
     server = VllmServer(model, free_port(), log_file=workdir / "vllm.log")
     server.start()
     try:
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm() -> Iterator[str]:
+    """One real vLLM (CPU build) for the whole test session, on a freshly generated tiny model.
+
+    Tests that use it carry the `vllm` mark (deselect with `-m "not vllm"`).
+    """
+    with served_tiny_model() as url:
+        yield url

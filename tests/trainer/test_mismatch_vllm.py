@@ -15,22 +15,17 @@ another model (mean |difference| about 0.27, KL about 0.06 nats/token) is far be
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 from click.testing import CliRunner
 
-from proxy.tiny_model import build_tiny_model
-from proxy.vllm_server import VllmServer
 from store import EventStore
 from store.cli import main
 from store.timeline import session_as_of
-from tests.conftest import free_port
-from tests.proxy.fixtures import ProxyFactory, RunningProxy
+from tests.proxy.fixtures import ProxyFactory, RunningProxy, served_tiny_model
 from trainer.mismatch import check_session, overall
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -131,14 +126,8 @@ def test_the_cli_reports_the_mismatch_per_turn(recorded: str, vllm: str, databas
 @pytest.fixture(scope="module")
 def other_model() -> Iterator[str]:
     """A second vLLM serving a tiny model of another seed under the same name: another policy."""
-    workdir = Path(tempfile.mkdtemp(prefix="trajstore-vllm-other-"))
-    model = build_tiny_model(workdir / "model", seed=1)
-    server = VllmServer(model, free_port(), log_file=workdir / "vllm.log")
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    with served_tiny_model(seed=1, prefix="trajstore-vllm-other-") as url:
+        yield url
 
 
 async def test_another_model_shows_up_as_a_large_mismatch(
