@@ -21,7 +21,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import asyncpg
 import numpy as np
@@ -42,8 +42,7 @@ log = logging.getLogger(__name__)
 READ_AHEAD_SAMPLES = 256
 
 
-@dataclass(frozen=True)
-class IndexEntry:
+class IndexEntry(NamedTuple):
     """A selected sample before its arrays are read."""
 
     sample_id: uuid.UUID

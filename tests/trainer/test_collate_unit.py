@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from trainer.advantages import group_advantages
-from trainer.collate import Layout, ReplaySample, block_causal_mask, collate, sample_ids
+from trainer.collate import (
+    FIELDS,
+    Layout,
+    ReplaySample,
+    block_causal_mask,
+    collate,
+    sample_ids,
+)
 from trainer.errors import BadSelection
 
 
@@ -41,6 +48,19 @@ def test_packing_restarts_positions_and_numbers_segments() -> None:
     assert batch["segment_ids"].tolist() == [[1, 1, 1, 2, 2]]
     assert sample_ids(batch) == [str(a.sample_id), str(b.sample_id)]
     assert [s["row"] for s in batch.get_non_tensor("samples")] == [0, 0]
+
+
+def test_the_tensors_of_a_batch_do_not_share_memory() -> None:
+    # collate lays every tensor out in one allocation: writing one must leave the others alone.
+    batch = collate([[sample([5, 6, 7], 1)], [sample([8, 9], 1)]])
+    before = {name: batch[name].clone() for name, _, _ in FIELDS}
+    for name in before:
+        batch[name].fill_(True if batch[name].dtype == torch.bool else 7)
+        for other in before.keys() - {name}:
+            assert torch.equal(batch[other], before[other]), (name, other)
+        batch[name].copy_(before[name])
+    assert batch["policy_version"].tolist() == [[3, 3, 3], [3, 3, -1]]
+    assert batch["input_ids"].dtype == torch.int64 and batch["input_ids"].is_contiguous()
 
 
 def test_the_block_causal_mask_keeps_packed_samples_apart() -> None:
