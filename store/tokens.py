@@ -38,8 +38,10 @@ def encode_token_ids(token_ids: TokenIdsLike) -> bytes:
         return b""
     if array.dtype.kind not in "iu":
         raise BadEvent(f"token_ids must be integers, got dtype {array.dtype}")
-    # Range-check before the cast: astype would wrap 2**31 to a negative id silently.
-    if array.min() < 0 or array.max() > MAX_TOKEN_ID:
+    # Range-check before the cast: astype would wrap 2**31 to a negative id silently. An int32
+    # array (the projector's, built from stored ids) cannot exceed the maximum.
+    too_large = array.dtype != np.int32 and array.max() > MAX_TOKEN_ID
+    if array.min() < 0 or too_large:
         raise BadEvent(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
     return array.astype(TOKEN_DTYPE, copy=False).tobytes()
 
