@@ -9,7 +9,9 @@ load (C workers, each sending chat completions of max_tokens 64 back to back for
 non-streaming and streaming, and reads each server's CPU time from /proc before and after: for
 trajstore also that of its PostgreSQL backends, after its writer has drained. Then every session
 is finished and the tokens stored are reconciled with the tokens the clients received, and a
-soak sends N concurrent streaming requests, one per fresh session, through trajstore.
+soak sends N concurrent streaming requests, one per fresh session, through trajstore. With
+`--vllm`, a fourth target "direct+ids" sends the engine directly what trajstore sends it (token
+ids and logprobs asked for), which separates the engine's cost of them from the proxy's own.
 
 The database is TRAJSTORE_DATABASE_URL's server, else the embedded one; it needs the right to
 create databases. Prints medians over the runs, then the ratios the proxy is held to. Exits
@@ -192,6 +194,7 @@ class Target:
     pids: list[int]  # the server processes whose CPU time is charged to it
     server: Server | None = None
     received_tokens: int = 0  # completion tokens its clients were given, all measurements
+    asks_like_trajstore: bool = False  # send the engine what trajstore sends it (ids, logprobs)
 
     def route(self, worker: int) -> Route:
         return self.routes[worker % len(self.routes)]
@@ -314,6 +317,8 @@ class Load:
         seconds: float,
     ) -> Sample:
         body = request_body(stream, usage=self.usage)
+        if target.asks_like_trajstore:
+            body = orjson.dumps(engine_body("chat", orjson.loads(body)))
         warm = Tally()
         await asyncio.gather(
             *(
@@ -490,7 +495,7 @@ def print_table(rows: dict[tuple[str, str, int], Row]) -> None:
             f"{name:<10} {mode:<10} {conc:>4} {row.rps:8.0f} {row.p50:8.2f} {row.p99:8.2f} "
             f"{fmt(None if name == 'direct' else row.p50 - direct.p50)} "
             f"{fmt(row.ttft if mode == 'stream' else None)} "
-            f"{fmt(None if name == 'direct' else row.cpu['target'], '8.3f')} "
+            f"{fmt(None if name.startswith('direct') else row.cpu['target'], '8.3f')} "
             f"{fmt(row.cpu.get('db'), '8.3f')} {row.cpu['engine']:8.3f} "
             f"{row.cpu['client']:8.3f} {row.errors:6d}"
         )
@@ -533,6 +538,18 @@ def print_throughput(rows: dict[tuple[str, str, int], Row], levels: list[int]) -
         for conc in levels:
             ours, direct = rows[("trajstore", mode, conc)], rows[("direct", mode, conc)]
             parts.append(f"c={conc} {ours.rps / direct.rps:.2f}×")
+        print(f"  {mode:<10} " + "   ".join(parts))
+    print(
+        "the engine asked directly for what trajstore asks it (token ids, logprobs) ÷ direct, "
+        "and trajstore ÷ that (the proxy's own share):"
+    )
+    for mode in ("non-stream", "stream"):
+        parts = []
+        for conc in levels:
+            direct = rows[("direct", mode, conc)]
+            asked = rows[("direct+ids", mode, conc)]
+            ours = rows[("trajstore", mode, conc)]
+            parts.append(f"c={conc} {asked.rps / direct.rps:.2f}× / {ours.rps / asked.rps:.2f}×")
         print(f"  {mode:<10} " + "   ".join(parts))
 
 
@@ -642,6 +659,10 @@ async def main(plan: Plan) -> int:
             Target("floor", [Route(floor.url + chat, {})], [floor.process.pid], floor),
             Target("trajstore", routes, [ours.process.pid], ours),
         ]
+        if plan.vllm:  # the engine's own cost of what training needs, apart from the proxy's
+            targets.append(
+                Target("direct+ids", [Route(engine.url + chat, {})], [], asks_like_trajstore=True)
+            )
         load = Load(http, engine.process.pid, db, usage=plan.vllm)
         samples: dict[tuple[str, str, int], list[Sample]] = {}
         for stream in (False, True):
@@ -680,7 +701,9 @@ async def main(plan: Plan) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a ~40 s run, for CI")
-    parser.add_argument("--duration", type=float, help="seconds per measurement [4; quick 2]")
+    parser.add_argument(
+        "--duration", type=float, help="seconds per measurement [4; quick 2; vllm 12]"
+    )
     parser.add_argument("--runs", type=int, help="runs per measurement [2; quick 1]")
     parser.add_argument(
         "--concurrency", type=int, nargs="+", help="worker counts [1 64 256; quick 1 64]"
@@ -700,7 +723,8 @@ if __name__ == "__main__":
     default_levels = [1, 4, 16] if args.vllm else [1, 64] if args.quick else [1, 64, 256]
     plan = Plan(
         levels=args.concurrency or default_levels,
-        seconds=args.duration or (2.0 if args.quick else 4.0),
+        # A real engine on the CPU answers a few requests a second: 4 s would be a handful.
+        seconds=args.duration or (2.0 if args.quick else 12.0 if args.vllm else 4.0),
         runs=args.runs or (1 if args.quick else 2),
         soak=0 if args.vllm else soak_sessions,
         vllm=args.vllm,
