@@ -134,7 +134,7 @@ def _blank(data: dict[str, Any], key: str, streaming: bool) -> None:
         data[key] = None
 
 
-@dataclass
+@dataclass(slots=True)
 class ChoiceTokens:
     """What one choice of an answer (or of a stream chunk) carries for the record."""
 
@@ -148,7 +148,7 @@ class ChoiceTokens:
     delta: dict[str, Any] | None = None  # streaming chat: this chunk's delta
 
 
-@dataclass
+@dataclass(slots=True)
 class Extracted:
     """The recordable content of an answer or a stream chunk."""
 
@@ -167,32 +167,41 @@ def _logprobs_of(api: Api, choice: dict[str, Any], n_tokens: int) -> list[float]
         values = list(block.get("token_logprobs") or ())
     if len(values) != n_tokens:
         return None  # the record keeps the ids; a mismatch is never papered over
-    return [-math.inf if v is None else float(v) for v in values]
+    if None in values:  # vLLM's null for a token of probability 0
+        return [-math.inf if v is None else v for v in values]
+    return values
 
 
 def extract(api: Api, data: dict[str, Any]) -> Extracted:
-    """Token ids, logprobs, text and outcome of each choice in an answer or a stream chunk."""
-    out = Extracted(usage=data.get("usage"))
+    """Token ids, logprobs, text and outcome of each choice in an answer or a stream chunk.
+
+    Runs for every chunk of every stream, so each choice is built once, with nothing to spare.
+    """
     prompt = data.get("prompt_token_ids")
+    choices = []
     for choice in data.get("choices") or ():
         if prompt is None and choice.get("prompt_token_ids") is not None:
             prompt = choice["prompt_token_ids"]  # completions: per choice
         ids = choice.get("token_ids") or []
-        item = ChoiceTokens(
-            index=int(choice.get("index") or 0),
-            token_ids=ids,
-            logprobs=_logprobs_of(api, choice, len(ids)),
-            finish_reason=choice.get("finish_reason"),
-            stop_reason=choice.get("stop_reason"),
-        )
+        message = delta = None
         if api == "completions":
-            item.text = choice.get("text") or ""
+            text = choice.get("text") or ""
         elif "message" in choice:
-            item.message = choice["message"]
-            item.text = (choice["message"] or {}).get("content") or ""
+            message = choice["message"]
+            text = (message or {}).get("content") or ""
         else:
-            item.delta = choice.get("delta") or {}
-            item.text = item.delta.get("content") or ""
-        out.choices.append(item)
-    out.prompt_token_ids = prompt
-    return out
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or ""
+        choices.append(
+            ChoiceTokens(
+                int(choice.get("index") or 0),
+                ids,
+                _logprobs_of(api, choice, len(ids)),
+                text,
+                choice.get("finish_reason"),
+                choice.get("stop_reason"),
+                message,
+                delta,
+            )
+        )
+    return Extracted(prompt, choices, data.get("usage"))
