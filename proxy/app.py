@@ -32,6 +32,7 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
+from starlette.types import Receive, Scope, Send
 
 from proxy.auth import admin_key_is_valid, require_session_key
 from proxy.engines import EnginePool
@@ -64,6 +65,22 @@ class ProxyState:
     engines: EnginePool
     metrics: ProxyMetrics
     public_url: str
+
+
+class ProxyApp(FastAPI):
+    """FastAPI, with the model calls answered in front of its whole stack (`proxy.model_calls`).
+
+    FastAPI and Starlette wrap every request, and every write of a response, in their own
+    middleware (error pages, telemetry, body limits): per-request work the hot path does not need.
+    Everything but the model calls goes through FastAPI as usual, lifespan included.
+    """
+
+    def __init__(self, max_body_bytes: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.model_calls = ModelCalls(super().__call__, max_body_bytes, lambda: self.state.proxy)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.model_calls(scope, receive, send)
 
 
 def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
@@ -121,9 +138,8 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
                 await http.close()
                 await store.close()
 
-    app = FastAPI(title="trajstore proxy", lifespan=lifespan)
+    app = ProxyApp(settings.max_body_bytes, title="trajstore proxy", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(ModelCalls, max_body_bytes=settings.max_body_bytes)  # outermost
     _install_error_handlers(app)
     _add_routes(app)
     return app

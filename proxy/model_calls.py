@@ -6,12 +6,15 @@
 These are the proxy's hot path: every turn of every agent comes through here, and a stream sends
 dozens of writes. Measured here, FastAPI's routing, dependency injection and middleware layers
 (each wrapping every write) cost about as much CPU as the relay itself, so these four routes
-bypass them: the body is read with its limit, the caller's key checked, and the `Forwarder`'s
-response sent as-is. Everything else (sessions, admin, metrics) stays in FastAPI.
+bypass them, all of them: `proxy.app.ProxyApp` hands every request to `ModelCalls` before
+FastAPI and Starlette see it. The body is read with its limit, the caller's key checked, and the
+`Forwarder`'s response sent as-is. Everything else (sessions, admin, metrics) goes to FastAPI.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -27,6 +30,8 @@ from proxy.errors import (
 )
 from proxy.wire import Api
 from store import StoreError
+
+log = logging.getLogger(__name__)
 
 _APIS: dict[str, Api] = {"chat/completions": "chat", "completions": "completions"}
 
@@ -45,11 +50,15 @@ def match(path: str) -> tuple[Api, str | None] | None:
 
 
 class ModelCalls:
-    """ASGI middleware answering the model-call routes itself; the rest goes to `app`."""
+    """ASGI middleware answering the model-call routes itself; the rest goes to `app`.
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    `state` gives the running proxy's `ProxyState` (built when the app starts).
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, state: Callable[[], Any]) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = None
@@ -67,12 +76,16 @@ class ModelCalls:
         except StoreError as exc:
             await send_error(send, from_store_error(exc))
             return
+        except Exception as exc:  # a bug of ours: logged, and answered in OpenAI's shape
+            log.exception("serving a model call failed")
+            await send_error(send, ProxyError(f"the proxy failed: {type(exc).__name__}: {exc}"))
+            return
         await response(scope, receive, send)
 
     async def _respond(
         self, scope: Scope, receive: Receive, api: Api, session_id: str | None
     ) -> Any:
-        state = scope["app"].state.proxy  # Starlette puts its app in the scope
+        state = self.state()
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         session_id = session_id or headers.get("x-session-id")
         if not session_id:

@@ -153,3 +153,20 @@ async def test_a_session_past_its_deadline_is_timed_out(
     finished = [e for e in await events_of(session["session_id"])
                 if e.type == EventType.SESSION_FINISHED]  # fmt: skip
     assert finished[0].payload["status"] == "timeout"
+
+
+async def test_a_bug_in_a_model_call_is_a_logged_500_in_openai_shape(
+    proxy: RunningProxy, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The model calls are served in front of FastAPI's stack, so its error pages are not there:
+    # an unexpected exception must still reach the agent as an error it can read, and the log.
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(proxy.app.state.proxy.forwarder, "handle", broken)
+    session = await proxy.new_session()
+    with pytest.raises(openai.InternalServerError) as caught:
+        await proxy.agent(session).chat.completions.create(**CHAT)
+    assert caught.value.status_code == 500
+    assert "RuntimeError: a bug" in caught.value.message
+    assert "serving a model call failed" in caplog.text
