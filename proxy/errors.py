@@ -113,3 +113,8 @@ def from_store_error(exc: StoreError) -> ProxyError:
     if isinstance(exc, BadEvent):
         return BadRequest(f"cannot be recorded: {exc}")
     return ProxyError(f"the store failed: {exc}")  # WriteFailed and the rest: our side, a 500
+
+
+def from_bug(exc: Exception) -> ProxyError:
+    """The HTTP answer to an unexpected exception of ours (a 500 naming it)."""
+    return ProxyError(f"the proxy failed: {type(exc).__name__}: {exc}")

@@ -19,7 +19,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from proxy.engines import Engine, EnginePool, NoHealthyEngine
-from proxy.errors import BadRequest, EngineFailed, Overloaded, ProxyError
+from proxy.errors import BadRequest, EngineFailed, Overloaded, from_bug
 from proxy.metrics import ProxyMetrics
 from proxy.recorder import RequestRecorder, new_request_id
 from proxy.sessions import Session
@@ -256,7 +256,7 @@ class Forwarder:
             log.exception("relaying a stream failed")
             await recorder.failed("proxy_error", f"{type(exc).__name__}: {exc}")
             self._count(api, 500)
-            yield _sse(ProxyError(f"the proxy failed: {type(exc).__name__}: {exc}").body())
+            yield _sse(from_bug(exc).body())
             return
         if relay.done and not recorder.ended:
             await recorder.finished(relay.usage)

@@ -26,6 +26,7 @@ from proxy.errors import (
     NotFound,
     PayloadTooLarge,
     ProxyError,
+    from_bug,
     from_store_error,
 )
 from proxy.wire import Api
@@ -78,7 +79,7 @@ class ModelCalls:
             return
         except Exception as exc:  # a bug of ours: logged, and answered in OpenAI's shape
             log.exception("serving a model call failed")
-            await send_error(send, ProxyError(f"the proxy failed: {type(exc).__name__}: {exc}"))
+            await send_error(send, from_bug(exc))
             return
         await response(scope, receive, send)
 

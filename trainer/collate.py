@@ -186,10 +186,10 @@ def _allocate(shape: tuple[int, int]) -> dict[str, npt.NDArray[Any]]:
     system time.
     """
     cells = shape[0] * shape[1]
-    sizes = [-(-cells * np.dtype(dtype).itemsize // 64) * 64 for _, dtype, _ in FIELDS]
+    sizes = [_round_up(cells * np.dtype(dtype).itemsize, 64) for _, dtype, _ in FIELDS]
     total = sum(sizes)
     step = 2 ** max(total.bit_length() - 4, 6)  # 1/16 to 1/8 of the size: little waste
-    buffer = np.empty(-(-total // step) * step, np.uint8)
+    buffer = np.empty(_round_up(total, step), np.uint8)
     arrays, at = {}, 0
     for (name, dtype, padding), size in zip(FIELDS, sizes, strict=True):
         array = buffer[at : at + cells * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
@@ -197,6 +197,10 @@ def _allocate(shape: tuple[int, int]) -> dict[str, npt.NDArray[Any]]:
         arrays[name] = array
         at += size
     return arrays
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 def collate(rows: Sequence[Sequence[ReplaySample]]) -> TensorDict:
