@@ -29,7 +29,7 @@ import asyncpg
 from store import queries
 from store.connection import unavailable_as_store_error
 from store.errors import StoreUnavailable
-from store.events import SESSION_FACTS, RecordedEvent
+from store.events import RecordedEvent
 from store.eventstore import EventStore
 from store.samples import Sample, build_samples
 from store.schema import FACTS_CHANNEL
@@ -145,7 +145,7 @@ class Projector:
         async with unavailable_as_store_error(), self.store.pool.acquire() as conn:
             served = await self._served_version(conn)
             new = int(await conn.fetchval(queries.LATEST_VERSION, self.name)) + 1
-            total = int(await conn.fetchval(queries.COUNT_SESSION_FACTS, SESSION_FACTS))
+            total = int(await conn.fetchval(queries.COUNT_SESSION_FACTS))
         done = 0
 
         def advance(facts: int) -> None:
@@ -177,9 +177,7 @@ class Projector:
                 (checkpoint["tx_id"], checkpoint["position"]) if checkpoint else (0, 0)
             )
             # Only the facts that change a session's samples; its other events are read later.
-            facts = await conn.fetch(
-                queries.READ_TYPES, tx_id, position, SESSION_FACTS, self.batch_size
-            )
+            facts = await conn.fetch(queries.READ_FACTS, tx_id, position, self.batch_size)
             if not facts:
                 return 0, 0
             sessions = list(dict.fromkeys(row["session_id"] for row in facts if row["session_id"]))

@@ -5,6 +5,20 @@ Hot paths use asyncpg directly; these are plain strings with positional paramete
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from store.events import SESSION_FACTS
+
+
+def sql_literals(values: Iterable[str]) -> str:
+    """Strings as a list of SQL literals, for a predicate the planner must see as constants."""
+    return ", ".join("'" + value.replace("'", "''") + "'" for value in values)
+
+
+#: The session facts as SQL literals: the predicate of the events' partial index on them
+#: (`store.schema`), and how a query names them for PostgreSQL to use that index.
+FACT_TYPES = sql_literals(SESSION_FACTS)
+
 #: The columns of a `RecordedEvent`, in its order.
 EVENT_COLUMNS = (
     "position, tx_id, event_id, stream_id, stream_version, session_id, run_id, event_type, "
@@ -70,15 +84,27 @@ ORDER BY tx_id, position
 LIMIT $3
 """
 
-#: Events of some types only, in global order below the horizon, after a (tx_id, position) point.
-READ_TYPES = f"""
+
+def read_types(types: Iterable[str]) -> str:
+    """Events of these types only, in global order below the horizon, after ($1 tx_id, $2
+    position), at most $3 of them.
+
+    The types are written into the statement as literals: for session facts PostgreSQL then
+    reads the partial index on them (`store.schema`), which a parameter would hide from the
+    generic plan it switches to after a few executions.
+    """
+    return f"""
 SELECT {EVENT_COLUMNS} FROM events
 WHERE (tx_id, position) > ($1::xid8, $2::int8)
   AND tx_id < pg_snapshot_xmin(pg_current_snapshot())
-  AND event_type = ANY($3::text[])
+  AND event_type IN ({sql_literals(types)})
 ORDER BY tx_id, position
-LIMIT $4
+LIMIT $3
 """
+
+
+#: The session facts (`read_types(SESSION_FACTS)`): what the projector follows.
+READ_FACTS = read_types(SESSION_FACTS)
 
 TX_ID_OF_POSITION = "SELECT tx_id FROM events WHERE position = $1"
 
@@ -151,9 +177,9 @@ DELETE_VERSION_SAMPLES = "DELETE FROM samples WHERE projection_version = $1"
 DELETE_CHECKPOINT = "DELETE FROM projection_checkpoints WHERE name = $1 AND version = $2"
 
 #: How many facts a projection from scratch will read (the progress bar's total).
-COUNT_SESSION_FACTS = """
+COUNT_SESSION_FACTS = f"""
 SELECT count(*) FROM events
-WHERE event_type = ANY($1::text[]) AND tx_id < pg_snapshot_xmin(pg_current_snapshot())
+WHERE event_type IN ({FACT_TYPES}) AND tx_id < pg_snapshot_xmin(pg_current_snapshot())
 """
 
 # -- readers of samples ---------------------------------------------------------------------------
@@ -197,11 +223,11 @@ ORDER BY stream_id, stream_version
 
 # No horizon (unlike the projector's reads): time travel asks about a point that was committed
 # already, and waiting for unrelated transactions still open would only hide sessions.
-SESSIONS_WITH_FACTS_UP_TO = """
+SESSIONS_WITH_FACTS_UP_TO = f"""
 SELECT session_id FROM (
     SELECT DISTINCT ON (session_id) session_id, tx_id, position FROM events
     WHERE (tx_id, position) <= ($1::xid8, $2::int8)
-      AND event_type = ANY($3::text[])
+      AND event_type IN ({FACT_TYPES})
       AND session_id IS NOT NULL
     ORDER BY session_id, tx_id, position
 ) AS first_fact

@@ -34,8 +34,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP, UUID
 from sqlalchemy.dialects.postgresql.base import ischema_names
 from sqlalchemy.types import UserDefinedType
 
-from store import views
-from store.events import SESSION_FACTS
+from store import queries, views
 
 #: The channel live subscribers LISTEN on. Notifications carry no payload: they are a wake-up.
 NOTIFY_CHANNEL = "trajstore_events"
@@ -86,10 +85,15 @@ events = Table(
     # read_session: a session's events in log order, straight from the index, no sort.
     Index(None, "session_id", "tx_id", "position"),
     Index(None, "run_id"),
+    # Session facts in log order (`queries.READ_FACTS`): the projector and the proxy replicas
+    # find the next fact without scanning the tokens recorded since the last one.
+    Index(
+        "ix_events_session_facts",
+        "tx_id",
+        "position",
+        postgresql_where=text(f"event_type IN ({queries.FACT_TYPES})"),
+    ),
 )
-
-
-_FACT_TYPES = ", ".join(f"'{t}'" for t in SESSION_FACTS)  # SQL literals: plain identifiers
 
 
 def _ddl(statement: str) -> DDL:
@@ -209,7 +213,7 @@ $$"""
     # PostgreSQL sends a transaction's identical notifications once.
     _ddl(
         "CREATE TRIGGER events_notify_facts AFTER INSERT ON events FOR EACH ROW "
-        f"WHEN (NEW.event_type IN ({_FACT_TYPES})) "
+        f"WHEN (NEW.event_type IN ({queries.FACT_TYPES})) "
         f"EXECUTE FUNCTION trajstore_notify('{FACTS_CHANNEL}')"
     ),
 ]

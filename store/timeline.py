@@ -28,7 +28,7 @@ from typing import Any
 from store import queries
 from store.connection import unavailable_as_store_error
 from store.errors import SessionNotFound
-from store.events import SESSION_FACTS, EventType, RecordedEvent, request_stream
+from store.events import EventType, RecordedEvent, request_stream
 from store.eventstore import EventStore
 from store.samples import Sample, build_samples
 from store.sessions import SessionRecord, TurnRecord, rebuild_session
@@ -74,9 +74,7 @@ async def session_as_of(
 async def sessions_with_facts_up_to(store: EventStore, point: LogPoint) -> list[str]:
     """Sessions with a finish, discard or reward at or before `point`, in order of first fact."""
     async with unavailable_as_store_error():
-        rows = await store.pool.fetch(
-            queries.SESSIONS_WITH_FACTS_UP_TO, point[0], point[1], SESSION_FACTS
-        )
+        rows = await store.pool.fetch(queries.SESSIONS_WITH_FACTS_UP_TO, point[0], point[1])
     return [row["session_id"] for row in rows]
 
 
