@@ -5,6 +5,9 @@ only the (tx_id, position) index, PostgreSQL walked every event since the checkp
 the tokens away: about fifteen events per fact in a four-turn session. Measured on 1,000
 such sessions: reading their 2,000 facts took 25 ms, most of a projector batch's reading.
 
+Built CONCURRENTLY (outside the migration's transaction): on a long log a plain CREATE INDEX
+would hold back every append, and so every proxied request, while it scans the table.
+
 Revision ID: 0005_facts_index
 Revises: 0004_fact_notify
 Create Date: 2026-11-23
@@ -26,13 +29,16 @@ _FACTS = "event_type IN ('session_finished', 'session_discarded', 'reward_assign
 
 
 def upgrade() -> None:
-    op.create_index(
-        "ix_events_session_facts",
-        "events",
-        ["tx_id", "position"],
-        postgresql_where=sa.text(_FACTS),
-    )
+    with op.get_context().autocommit_block():
+        op.create_index(
+            "ix_events_session_facts",
+            "events",
+            ["tx_id", "position"],
+            postgresql_where=sa.text(_FACTS),
+            postgresql_concurrently=True,
+        )
 
 
 def downgrade() -> None:
-    op.drop_index("ix_events_session_facts", table_name="events")
+    with op.get_context().autocommit_block():
+        op.drop_index("ix_events_session_facts", table_name="events", postgresql_concurrently=True)
