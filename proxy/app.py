@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -124,9 +125,13 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
             app.state.proxy.registry.follow(), name="session-facts-follower"
         )
         _dump_tasks_on_sigusr1()
+        # Everything made so far (modules, the app, pools) lives as long as the process: out of
+        # the collector's sight, a full collection no longer walks it and stalls every request.
+        gc.freeze()
         try:
             yield
         finally:
+            gc.unfreeze()  # a process that hosts several apps (tests, Ray) collects them again
             watchdog.cancel()
             follower.cancel()
             with contextlib.suppress(asyncio.CancelledError):
