@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import secrets
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -50,6 +49,7 @@ from proxy.model_calls import BodyLimit, ModelCalls
 from proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
 from proxy.settings import ProxySettings
 from store import EventStore, StoreError
+from store.collector import fewer_collections
 from store.sessions import rebuild_session
 
 log = logging.getLogger(__name__)
@@ -82,31 +82,6 @@ class ProxyApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.model_calls(scope, receive, send)
-
-
-#: Allocations between two young collections while serving (CPython's default: 700).
-YOUNG_COLLECTION_EVERY = 10_000
-
-
-@contextlib.contextmanager
-def _collector_for_serving() -> Iterator[None]:
-    """Keep the garbage collector's pauses off the requests in flight.
-
-    Everything made at start-up (modules, the app, pools: about 108,000 objects) lives as long
-    as the process: frozen, a full collection no longer walks it (it stopped every request for
-    70-90 ms; now 5-8 ms). And every young collection walks the requests in flight, whatever the
-    garbage: a proxy allocates thousands of objects per request (a dict per JSON object), so
-    with 700 allocations between collections it walked them hundreds of times a second.
-    Restored on exit, for a process that hosts several apps (tests, Ray).
-    """
-    thresholds = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(YOUNG_COLLECTION_EVERY, *thresholds[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*thresholds)
-        gc.unfreeze()
 
 
 def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
@@ -151,7 +126,9 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
         )
         _dump_tasks_on_sigusr1()
         try:
-            with _collector_for_serving():
+            # Start-up objects frozen, young collections rarer: the collector's pauses were
+            # the proxy's p99 (store.collector).
+            with fewer_collections(freeze=True):
                 yield
         finally:
             watchdog.cancel()

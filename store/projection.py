@@ -27,6 +27,7 @@ from typing import Any
 import asyncpg
 
 from store import queries
+from store.collector import fewer_collections
 from store.connection import unavailable_as_store_error
 from store.errors import StoreUnavailable
 from store.events import RecordedEvent
@@ -114,14 +115,15 @@ class Projector:
         if settle > 0:
             await self.store.settle(settle)
         total = 0
-        while True:
-            async with unavailable_as_store_error(), self.store.pool.acquire() as conn:
-                sessions, facts = await self._project_batch(conn)
-            total += sessions
-            if progress is not None and facts:
-                progress(facts)
-            if facts == 0:
-                return total
+        with fewer_collections():  # a batch's rows and events stay alive while it is folded
+            while True:
+                async with unavailable_as_store_error(), self.store.pool.acquire() as conn:
+                    sessions, facts = await self._project_batch(conn)
+                total += sessions
+                if progress is not None and facts:
+                    progress(facts)
+                if facts == 0:
+                    return total
 
     async def served_version(self) -> int:
         """The version readers are served (version 1 from the first projection on)."""
