@@ -1,6 +1,7 @@
 """Every SQL statement of the store, in one place, called by name.
 
-Hot paths use asyncpg directly; these are plain strings with positional parameters.
+Hot paths use asyncpg directly; these are plain strings with positional parameters (and
+`read_types`, which writes the event types into its statement).
 """
 
 from __future__ import annotations
