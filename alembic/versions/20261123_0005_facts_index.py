@@ -6,7 +6,9 @@ the tokens away: about fifteen events per fact in a four-turn session. Measured 
 such sessions: reading their 2,000 facts took 25 ms, most of a projector batch's reading.
 
 Built CONCURRENTLY (outside the migration's transaction): on a long log a plain CREATE INDEX
-would hold back every append, and so every proxied request, while it scans the table.
+would hold back every append, and so every proxied request, while it scans the table. A
+concurrent build cut off half-way leaves an invalid index behind, and one that finished before
+the version was stamped leaves a valid one: either way a rerun drops it first and builds again.
 
 Revision ID: 0005_facts_index
 Revises: 0004_fact_notify
@@ -30,6 +32,12 @@ _FACTS = "event_type IN ('session_finished', 'session_discarded', 'reward_assign
 
 def upgrade() -> None:
     with op.get_context().autocommit_block():
+        op.drop_index(
+            "ix_events_session_facts",
+            table_name="events",
+            postgresql_concurrently=True,
+            if_exists=True,
+        )
         op.create_index(
             "ix_events_session_facts",
             "events",

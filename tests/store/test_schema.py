@@ -101,6 +101,22 @@ async def test_downgrade_to_base_removes_everything_and_upgrade_restores_it(
     assert await catalog(database_url) == before
 
 
+async def test_the_facts_index_migration_reruns_over_what_a_cut_off_build_left(
+    database_url: str,
+) -> None:
+    # Migration 0005 builds its index CONCURRENTLY, outside a transaction: cut off, it leaves an
+    # index behind without stamping the version. The rerun must replace it, not fail on it.
+    before = await catalog(database_url)
+    await asyncio.to_thread(migrations.downgrade, database_url, "0004_fact_notify")
+    conn = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        await conn.execute("CREATE INDEX ix_events_session_facts ON events (run_id)")
+    finally:
+        await conn.close()
+    await asyncio.to_thread(migrations.upgrade, database_url)
+    assert await catalog(database_url) == before
+
+
 async def test_opening_an_unmigrated_database_says_to_migrate(empty_database_url: str) -> None:
     with pytest.raises(SchemaNotReady, match="trajstore migrate"):
         await EventStore.open(empty_database_url)
