@@ -26,8 +26,9 @@ def fewer_collections(*, freeze: bool = False) -> Iterator[None]:
 
     With `freeze`, everything alive on entry (modules, an app, pools) is also moved out of the
     collector's sight until exit: for a server, whose full collections otherwise walk all of it
-    and stop every request in flight. Nestable and re-entrant across tasks: the first entry sets
-    the threshold, the last exit restores it.
+    and stop every request in flight. The threshold nests, across tasks too: the first entry
+    sets it, the last exit restores it. A freeze does not: its exit unfreezes everything, also
+    what an enclosing `freeze=True` froze (one server per process needs no more).
     """
     global _depth, _saved
     if _depth == 0:
