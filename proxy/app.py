@@ -90,7 +90,9 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = await EventStore.open(database_url)
-        writer = store.writer(max_pending=settings.writer_max_pending)
+        writer = store.writer(
+            max_pending=settings.writer_max_pending, flush_interval=settings.writer_linger
+        )
         await writer.start()
         http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),

@@ -50,6 +50,13 @@ class ProxySettings(BaseSettings):
     writer_max_pending: int = Field(
         default=200_000, description="Events the recorder may hold before refusing requests."
     )
+    writer_linger: float = Field(
+        default=0.1,
+        gt=0,
+        le=5,
+        description="Seconds the recorder waits to gather events into one transaction "
+        "(a full batch and `finish` never wait for it).",
+    )
 
     @field_validator("engines", mode="before")
     @classmethod

@@ -3,8 +3,10 @@
 Producers call `append()` (never blocks, never awaits the database) or `await put()` (waits for
 room). A background task takes what is pending, up to `batch_size` events, and writes it in one
 transaction with COPY (measured here: COPY moves packed chunk events 2.4x faster than
-executemany). `flush()` is the durability barrier: it returns once everything appended before it
-is committed, and raises `WriteFailed` if any of it could not be stored.
+executemany); with less than a batch waiting it lingers up to `flush_interval` seconds for more,
+cut short by a full batch or a `flush()`. `flush()` is the durability barrier: it returns once
+everything appended before it is committed, and raises `WriteFailed` if any of it could not be
+stored.
 
 Nothing is dropped silently:
 - When PostgreSQL goes away, the batch is retried with backoff for up to `retry_timeout` seconds.
@@ -206,6 +208,8 @@ class EventWriter:
         self._enqueued += len(rows)
         self._arrivals.append((self._enqueued, time.monotonic()))
         self._has_work.set()
+        if len(self._queue) >= self.batch_size:
+            self._hurry.set()  # a full batch does not linger
         return self._enqueued
 
     async def put(self, stream_id: str, stream_version: int, event: NewEvent) -> int:
@@ -261,7 +265,10 @@ class EventWriter:
                     return
                 continue
             if len(self._queue) < self.batch_size and not self._closing:
-                # Linger a little so a busy proxy commits many events per transaction.
+                # Linger so that many events share a transaction: under load, a busy proxy's;
+                # at a trickle (a real engine streams a token every few ms, and a request's
+                # events come tens of ms apart), one request's. Each transaction costs both
+                # sides CPU (BEGIN, COPY, COMMIT) whatever it holds.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._hurry.wait(), timeout=self.flush_interval)
             self._hurry.clear()

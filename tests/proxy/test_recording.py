@@ -6,6 +6,8 @@ PostgreSQL; only the engine is a fake (tests/proxy/fake_engine.py), for the wire
 
 from __future__ import annotations
 
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -14,7 +16,7 @@ import pytest
 
 from store import EventType
 from tests.proxy.fake_engine import FakeEngine
-from tests.proxy.fixtures import RunningProxy
+from tests.proxy.fixtures import ProxyFactory, RunningProxy
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "add 2 and 3"}], "max_tokens": 8}
 
@@ -201,3 +203,26 @@ async def test_session_header_route_for_agents_that_cannot_change_the_path(
     assert response.status_code == 200
     record = await recorded(proxy, session["session_id"])
     assert len(record["turns"]) == 1
+
+
+async def test_a_slow_stream_shares_few_transactions(
+    start_proxy: ProxyFactory, events_of: Callable[[str], Awaitable[list[Any]]]
+) -> None:
+    # A real engine streams a token every few ms, so a request's events come tens of ms apart;
+    # each transaction costs the proxy and PostgreSQL CPU whatever it holds. The recorder
+    # lingers (TRAJSTORE_WRITER_LINGER) so that they share one, and finish() does not wait.
+    async with FakeEngine(token_delay=0.003) as engine:  # 48 tokens: about 0.15 s
+        proxy = await start_proxy([engine.url], writer_linger=1.0, chunk_tokens=8)
+        session = await proxy.new_session()
+        stream = await proxy.agent(session).chat.completions.create(
+            **{**CHAT, "max_tokens": 48}, stream=True
+        )
+        received = [chunk async for chunk in stream]
+        assert received
+        started = time.monotonic()
+        await finish(proxy, session)
+        assert time.monotonic() - started < 0.9, "finish() waited for the linger"
+    events = await events_of(session["session_id"])
+    turn = [e for e in events if e.stream_id.startswith("request-")]
+    assert sum(e.type == EventType.COMPLETION_CHUNK for e in turn) == 6
+    assert len({e.tx_id for e in turn}) <= 2, "a request's events went in many transactions"

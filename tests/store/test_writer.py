@@ -58,6 +58,27 @@ async def test_flush_is_a_barrier_for_a_single_session(store: EventStore) -> Non
         assert len(await store.read_session("s1")) == 1
 
 
+async def test_a_full_batch_is_written_without_lingering(store: EventStore) -> None:
+    # The linger gathers a light load's events into one transaction; a batch that is already
+    # full has nothing to wait for, and no flush() is needed to get it written.
+    async with store.writer(flush_interval=60.0, batch_size=8) as writer:
+        events = [chunk_event("s1", seed=i) for i in range(8)]
+        writer.append("request-1", 1, events[0])
+        await asyncio.sleep(0.2)  # the writer is lingering over its one event
+        assert writer.pending == 1
+        writer.append_many("request-1", 2, events[1:])  # now a full batch
+        for _ in range(100):
+            if writer.pending == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert writer.pending == 0, "a full batch waited for the linger"
+        assert len(await store.read_session("s1")) == 8
+        writer.append("request-2", 1, chunk_event("s2"))  # less than a batch: it lingers
+        await asyncio.sleep(0.3)
+        assert writer.pending == 1
+        await writer.flush()
+
+
 async def test_a_full_queue_pushes_back_and_put_waits(store: EventStore, database_url: str) -> None:
     # Another session holds a lock the writer's COPY needs, as a stalled database would.
     blocker = await connect(database_url)
