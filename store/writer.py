@@ -120,7 +120,7 @@ class EventWriter:
         self._failures: list[tuple[int, str | None, str]] = []  # (seq, session_id, reason)
         self._reported = 0  # failures up to this seq were raised by a global flush()
         self._has_work = asyncio.Event()
-        self._hurry = asyncio.Event()  # a flush() is waiting: skip the linger
+        self._hurry = asyncio.Event()  # a flush() waits, or a batch is full: end the linger
         self._progress = asyncio.Condition()
         self._conn: asyncpg.Connection | None = None
         self._task: asyncio.Task[None] | None = None
