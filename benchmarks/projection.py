@@ -1,11 +1,18 @@
 """Projection throughput: rebuilding samples from the log, against a raw read of the same events.
 
-    python benchmarks/projection.py [--sessions 200] [--turns 4] [--runs 5]
+    python benchmarks/projection.py [--shape short|agent|both] [--sessions N] [--runs 5]
 
 Records multi-turn sessions as the proxy does (each turn's prompt extends the previous turn's
 prompt and completion by a tool result, so every session is one sample; completion chunks of 16
-tokens with float32 logprobs), a reward and a finish each. Then, on a fresh clone of that
-database per run:
+tokens with float32 logprobs), a reward and a finish each, in one of two shapes:
+
+- short: 4 turns, a 256-token first prompt, 64-token completions, 32-token tool results, 1,000
+  sessions: small events, so the per-event and per-session costs decide;
+- agent: 16 turns, a 4,096-token first prompt (system prompt, task, files), 256-token completions
+  (a thought and a tool call), 1,024-token tool results, 50 sessions: the shape of a
+  SWE-agent-style episode, whose context grows to 23 k tokens, so the bytes decide.
+
+Then, on a fresh clone of that database per run:
 
 - trajstore: `Projector.run_once()` from event 0 — read every finished session's events, rebuild
   it, build its samples, write them and the checkpoint;
@@ -14,8 +21,8 @@ database per run:
   written.
 
 Tokens are the prompt and completion tokens of the events read. The target is trajstore ≥ 0.5×
-raw. Prints medians, the ratio, and sessions/s. TRAJSTORE_DATABASE_URL's server, else the
-embedded one (it needs the right to create databases).
+raw. Prints medians, the ratio, and sessions/s per shape. TRAJSTORE_DATABASE_URL's server, else
+the embedded one (it needs the right to create databases).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import functools
 import gc
 import statistics
 import time
+from dataclasses import dataclass, replace
 
 import asyncpg
 import numpy as np
@@ -37,21 +45,35 @@ from store.embedded import database_url
 from store.projection import Projector
 
 CHUNK = 16
-FIRST_PROMPT = 256
-COMPLETION = 64
-TOOL_RESULT = 32
 #: Sessions per raw read: what one projector batch (500 facts, 2 per session) reads.
 RAW_BATCH = 250
 
 
-async def record(url: str, sessions: int, turns: int) -> int:
+@dataclass(frozen=True)
+class Shape:
+    """What one session of a shape holds (token counts), and how many sessions it records."""
+
+    turns: int
+    first_prompt: int
+    completion: int
+    tool_result: int
+    sessions: int
+
+
+SHAPES = {
+    "short": Shape(turns=4, first_prompt=256, completion=64, tool_result=32, sessions=1000),
+    "agent": Shape(turns=16, first_prompt=4096, completion=256, tool_result=1024, sessions=50),
+}
+
+
+async def record(url: str, shape: Shape) -> int:
     """Write the sessions; return how many prompt + completion tokens their events hold."""
     rng = np.random.default_rng(0)
     tokens = 0
     async with await EventStore.open(url) as store:
         writer = store.writer(max_pending=1_000_000)
         await writer.start()
-        for s in range(sessions):
+        for s in range(shape.sessions):
             session = f"s{s}"
             event = functools.partial(NewEvent, session_id=session, run_id="bench")
             writer.append_many(
@@ -59,15 +81,15 @@ async def record(url: str, sessions: int, turns: int) -> int:
                 1,
                 [event(EventType.SESSION_CREATED, payload={"task_id": "t"})],
             )
-            prompt = rng.integers(5, 150_000, FIRST_PROMPT, dtype=np.int32)
-            for t in range(turns):
-                completion = rng.integers(5, 150_000, COMPLETION, dtype=np.int32)
+            prompt = rng.integers(5, 150_000, shape.first_prompt, dtype=np.int32)
+            for t in range(shape.turns):
+                completion = rng.integers(5, 150_000, shape.completion, dtype=np.int32)
                 request_id = f"{session}-{t}"
                 events = [
                     event(EventType.REQUEST_RECEIVED, payload={"request_id": request_id}),
                     event(EventType.PROMPT_TOKENS, payload={"choice": None}, token_ids=prompt),
                 ]
-                for c in range(0, COMPLETION, CHUNK):
+                for c in range(0, shape.completion, CHUNK):
                     events.append(
                         event(
                             EventType.COMPLETION_CHUNK,
@@ -83,8 +105,8 @@ async def record(url: str, sessions: int, turns: int) -> int:
                     )
                 )
                 writer.append_many(request_stream(request_id), 1, events)
-                tokens += len(prompt) + COMPLETION
-                tool_result = rng.integers(5, 150_000, TOOL_RESULT, dtype=np.int32)
+                tokens += len(prompt) + shape.completion
+                tool_result = rng.integers(5, 150_000, shape.tool_result, dtype=np.int32)
                 prompt = np.concatenate([prompt, completion, tool_result])
             writer.append_many(
                 session_stream(session),
@@ -130,35 +152,47 @@ async def read_raw(url: str, sessions: int) -> float:
         await conn.close()
 
 
-async def main(sessions: int, turns: int, runs: int) -> None:
+async def measure(name: str, shape: Shape, runs: int) -> None:
     databases = Databases(database_url())
     await databases.setup()
     try:
         loaded = await databases.fresh()
-        tokens = await record(loaded, sessions, turns)
+        tokens = await record(loaded, shape)
         databases.template = loaded.partition("?")[0].rpartition("/")[2]  # clone the loaded one
         ours, raw = [], []
         for _ in range(runs):
             gc.collect()
-            raw.append(await read_raw(await databases.fresh(), sessions))
+            raw.append(await read_raw(await databases.fresh(), shape.sessions))
             gc.collect()
             ours.append(await rebuild(await databases.fresh()))
     finally:
         await databases.drop_all()
     ours_s, raw_s = statistics.median(ours), statistics.median(raw)
-    print(f"{sessions} sessions x {turns} turns, {tokens:,} tokens, medians of {runs} runs")
+    print(
+        f"{name}: {shape.sessions} sessions x {shape.turns} turns, {tokens:,} tokens, "
+        f"medians of {runs} runs"
+    )
     print(f"{'':24}{'trajstore':>14}{'raw asyncpg':>14}{'ratio':>8}")
     print(
         f"{'rebuild tokens/s':24}{tokens / ours_s:>14,.0f}{tokens / raw_s:>14,.0f}"
         f"{raw_s / ours_s:>7.2f}x"
     )
-    print(f"{'sessions/s':24}{sessions / ours_s:>14,.0f}{sessions / raw_s:>14,.0f}")
+    print(f"{'sessions/s':24}{shape.sessions / ours_s:>14,.0f}{shape.sessions / raw_s:>14,.0f}")
+
+
+async def main(shapes: list[str], sessions: int | None, runs: int) -> None:
+    for name in shapes:
+        shape = SHAPES[name]
+        if sessions is not None:
+            shape = replace(shape, sessions=sessions)
+        await measure(name, shape, runs)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sessions", type=int, default=200)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
+    parser.add_argument("--sessions", type=int, help="instead of the shape's own count")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    asyncio.run(main(args.sessions, args.turns, args.runs))
+    chosen = list(SHAPES) if args.shape == "both" else [args.shape]
+    asyncio.run(main(chosen, args.sessions, args.runs))

@@ -10,14 +10,16 @@ event carries its session id, so `read_session` needs no knowledge of the stream
 
 from __future__ import annotations
 
+import operator
 import random
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import IntEnum, StrEnum
-from typing import Any
+from typing import Any, overload
 
+import asyncpg
 import orjson
 
 from store.errors import BadEvent, PayloadTooLarge
@@ -172,15 +174,35 @@ class NewEvent:
         object.__setattr__(self, "logprob_bytes", logprobs)
 
 
-class RecordedEvent:
+class _ParsedPayload:
+    """`RecordedEvent.payload`: parses the stored JSON on first access and keeps the result in
+    the instance's `__dict__`, where later lookups find it before this (non-data) descriptor."""
+
+    @overload
+    def __get__(self, event: None, owner: type) -> _ParsedPayload: ...
+    @overload
+    def __get__(self, event: RecordedEvent, owner: type) -> dict[str, Any]: ...
+    def __get__(self, event: RecordedEvent | None, owner: type) -> Any:
+        if event is None:
+            return self
+        payload = event.__dict__["payload"] = orjson.loads(event[9])
+        return payload
+
+
+def _column(index: int, doc: str) -> Any:
+    """A read-only attribute for one column of the row: `itemgetter` keeps the lookup in C."""
+    return property(operator.itemgetter(index), doc=doc)
+
+
+class RecordedEvent(asyncpg.Record):  # type: ignore[misc]  # asyncpg is untyped
     """An event as stored: its place in the log, its stream and its content.
 
-    A thin read-only view over the database row: nothing is decoded until it is asked for, so
-    reading many events costs little more than fetching them. The payload is parsed once, on
-    first access; token ids and logprobs are numpy views of the stored bytes.
+    It *is* the database row: every query of events asks asyncpg for rows of this class
+    (`record_class=RecordedEvent`), so reading many events costs no more than fetching them,
+    and nothing is decoded until it is asked for. The payload is parsed once, on first access;
+    token ids and logprobs are numpy views of the stored bytes. Columns follow `FIELDS`
+    (`store.queries.EVENT_COLUMNS`).
     """
-
-    __slots__ = ("_payload", "_row")
 
     #: The columns a row holds, in `store.queries.EVENT_COLUMNS` order.
     FIELDS = (
@@ -188,87 +210,49 @@ class RecordedEvent:
         "type", "recorded_at", "payload", "token_ids", "logprobs",
     )  # fmt: skip
 
-    def __init__(self, row: Sequence[Any]) -> None:
-        self._row = row
-        self._payload: dict[str, Any] | None = None
-
-    @property
-    def position(self) -> int:
-        """The event's place in the log (unique, increasing with insertion)."""
-        return int(self._row[0])
-
-    @property
-    def tx_id(self) -> int:
-        """The id of the transaction that stored it; the log's order is (tx_id, position)."""
-        return int(self._row[1])
+    position: int = _column(0, "The event's place in the log (unique, increasing with insertion).")
+    tx_id: int = _column(
+        1, "The id of the transaction that stored it; the log's order is (tx_id, position)."
+    )
+    stream_id: str = _column(3, "The stream the event belongs to.")
+    stream_version: int = _column(4, "The event's number within its stream, from 1.")
+    session_id: str | None = _column(5, "The session (agent episode) the event belongs to, if any.")
+    run_id: str | None = _column(6, "The run the event belongs to, if any.")
+    type: str = _column(
+        7, "An `EventType` value (a str enum compares equal), or a newer type as text."
+    )
+    recorded_at: datetime = _column(
+        8, "When the database stored the event (its transaction's start)."
+    )
+    packed_token_ids: bytes | None = _column(
+        10, "Token ids as stored (little-endian int32 bytes), undecoded."
+    )
+    packed_logprobs: bytes | None = _column(
+        11, "Logprobs as stored (little-endian float32 bytes), undecoded."
+    )
+    #: The event's JSON payload, parsed on first access.
+    payload = _ParsedPayload()
 
     @property
     def event_id(self) -> uuid.UUID:
         """The id the writer gave the event (its idempotency key)."""
-        value = self._row[2]
+        value = self[2]
         return value if type(value) is uuid.UUID else uuid.UUID(str(value))
-
-    @property
-    def stream_id(self) -> str:
-        """The stream the event belongs to."""
-        return str(self._row[3])
-
-    @property
-    def stream_version(self) -> int:
-        """The event's number within its stream, from 1."""
-        return int(self._row[4])
-
-    @property
-    def session_id(self) -> str | None:
-        """The session (agent episode) the event belongs to, if any."""
-        return self._row[5]  # type: ignore[no-any-return]
-
-    @property
-    def run_id(self) -> str | None:
-        """The run the event belongs to, if any."""
-        return self._row[6]  # type: ignore[no-any-return]
-
-    @property
-    def type(self) -> str:
-        """An `EventType` value (a str enum compares equal), or a newer type as text."""
-        return str(self._row[7])
-
-    @property
-    def recorded_at(self) -> datetime:
-        """When the database stored the event (its transaction's start)."""
-        return self._row[8]  # type: ignore[no-any-return]
-
-    @property
-    def payload(self) -> dict[str, Any]:
-        """The event's JSON payload, parsed on first access."""
-        if self._payload is None:
-            self._payload = orjson.loads(self._row[9])
-        return self._payload
 
     @property
     def token_ids(self) -> TokenIds | None:
         """Token ids as int32, or None when the event carries none."""
-        return decode_token_ids(self._row[10])
+        return decode_token_ids(self[10])
 
     @property
     def logprobs(self) -> Logprobs | None:
         """Logprobs as float32 (one per token id), or None."""
-        return decode_logprobs(self._row[11])
-
-    @property
-    def packed_token_ids(self) -> bytes | None:
-        """Token ids as stored (little-endian int32 bytes), undecoded."""
-        return self._row[10]  # type: ignore[no-any-return]
-
-    @property
-    def packed_logprobs(self) -> bytes | None:
-        """Logprobs as stored (little-endian float32 bytes), undecoded."""
-        return self._row[11]  # type: ignore[no-any-return]
+        return decode_logprobs(self[11])
 
     @property
     def n_tokens(self) -> int:
         """How many token ids the event carries."""
-        data = self._row[10]
+        data = self[10]
         return 0 if data is None else len(data) // 4
 
     def __eq__(self, other: object) -> bool:

@@ -164,14 +164,18 @@ class EventStore:
     ) -> list[RecordedEvent]:
         """The events of one stream in version order, after `after_version`."""
         async with unavailable_as_store_error():
-            rows = await self.pool.fetch(queries.READ_STREAM, stream_id, after_version, limit)
-        return [RecordedEvent(r) for r in rows]
+            events: list[RecordedEvent] = await self.pool.fetch(
+                queries.READ_STREAM, stream_id, after_version, limit, record_class=RecordedEvent
+            )
+        return events
 
     async def read_session(self, session_id: str) -> list[RecordedEvent]:
         """Every event of a session, across all its streams, in the log's global order."""
         async with unavailable_as_store_error():
-            rows = await self.pool.fetch(queries.READ_SESSION, session_id)
-        return [RecordedEvent(r) for r in rows]
+            events: list[RecordedEvent] = await self.pool.fetch(
+                queries.READ_SESSION, session_id, record_class=RecordedEvent
+            )
+        return events
 
     async def read_all(self, *, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
         """Up to `limit` events in global order, after the event at position `after` (0: start).
@@ -181,8 +185,10 @@ class EventStore:
         """
         async with unavailable_as_store_error(), self.pool.acquire() as conn:
             tx_id = await self.tx_id_of(conn, after)
-            rows = await conn.fetch(queries.READ_ALL, tx_id, after, limit)
-        return [RecordedEvent(r) for r in rows]
+            events: list[RecordedEvent] = await conn.fetch(
+                queries.READ_ALL, tx_id, after, limit, record_class=RecordedEvent
+            )
+        return events
 
     async def horizon(self) -> tuple[int, int]:
         """The point in global order (tx_id, position) below which nothing can appear any more."""
@@ -198,8 +204,10 @@ class EventStore:
         if not types:
             return []
         async with unavailable_as_store_error():
-            rows = await self.pool.fetch(queries.read_types(types), after[0], after[1], limit)
-        return [RecordedEvent(r) for r in rows]
+            events: list[RecordedEvent] = await self.pool.fetch(
+                queries.read_types(types), after[0], after[1], limit, record_class=RecordedEvent
+            )
+        return events
 
     @staticmethod
     async def tx_id_of(conn: asyncpg.Connection, position: int) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 import asyncpg
 
 from store import queries
-from store.collector import fewer_collections
+from store.collector import collections_paused
 from store.connection import unavailable_as_store_error
 from store.errors import StoreUnavailable
 from store.events import RecordedEvent
@@ -36,7 +36,6 @@ from store.samples import Sample, build_samples
 from store.schema import FACTS_CHANNEL
 from store.sessions import rebuild_session
 from store.subscription import wake_ups
-from store.tokens import encode_logprobs, encode_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +66,9 @@ def sample_row(sample: Sample, last_position: int, version: int) -> tuple[Any, .
         session.status,
         sample.finish_reason,
         session.reward,
-        encode_token_ids(sample.token_array()),
-        sample.mask_array().tobytes(),
-        encode_logprobs(sample.logprob_array()),
+        sample.token_bytes,
+        sample.mask_bytes(),
+        sample.logprob_bytes(),
         sample.prompt_len,
         sample.response_len,
         len(sample.turns),
@@ -115,15 +114,17 @@ class Projector:
         if settle > 0:
             await self.store.settle(settle)
         total = 0
-        with fewer_collections():  # a batch's rows and events stay alive while it is folded
-            while True:
+        while True:
+            # A batch's rows, sessions and samples all stay alive until it is written: no cyclic
+            # collection walks them in the meantime (store.collector).
+            with collections_paused():
                 async with unavailable_as_store_error(), self.store.pool.acquire() as conn:
                     sessions, facts = await self._project_batch(conn)
-                total += sessions
-                if progress is not None and facts:
-                    progress(facts)
-                if facts == 0:
-                    return total
+            total += sessions
+            if progress is not None and facts:
+                progress(facts)
+            if facts == 0:
+                return total
 
     async def served_version(self) -> int:
         """The version readers are served (version 1 from the first projection on)."""
@@ -218,16 +219,17 @@ class Projector:
     ) -> None:
         """Replace these sessions' samples: one read, one delete, one COPY for them all."""
         by_session: dict[str, list[RecordedEvent]] = {s: [] for s in session_ids}
-        for row in await conn.fetch(queries.READ_SESSIONS, session_ids):
-            event = RecordedEvent(row)
-            by_session[event.session_id].append(event)  # type: ignore[index]
+        for event in await conn.fetch(
+            queries.READ_SESSIONS, session_ids, record_class=RecordedEvent
+        ):
+            by_session[event.session_id].append(event)
         await conn.execute(queries.DELETE_SESSION_SAMPLES, session_ids, version)
 
         async def rows() -> AsyncIterator[tuple[Any, ...]]:
             # Built while COPY streams: PostgreSQL stores one session's rows while the next
             # session is folded here.
             for session_id, events in by_session.items():
-                session = rebuild_session(session_id, events, arrays=True)
+                session = rebuild_session(session_id, events, packed=True)
                 if session.status == "active" or session.discarded is not None:
                     continue  # never samples: not finished yet, or excluded from training
                 last_position = max(e.position for e in events)

@@ -37,6 +37,14 @@ from typing import Any
 import numpy as np
 
 from store.sessions import ChoiceRecord, SessionRecord, TurnRecord
+from store.tokens import (
+    LOGPROB_DTYPE,
+    TOKEN_DTYPE,
+    decode_logprobs,
+    decode_token_ids,
+    encode_logprobs,
+    encode_token_ids,
+)
 
 #: Changes whenever the rules above change; samples record it, and a rebuild writes a new one.
 PROJECTION_VERSION = 1
@@ -57,16 +65,30 @@ class Divergence:
         return {"turn": self.turn, "position": self.position, "reason": self.reason}
 
 
-def _ids(values: Any) -> np.ndarray[Any, np.dtype[np.int32]]:
-    return np.asarray(values, dtype=np.int32)
+def _packed_ids(values: Any) -> bytes:
+    """Token ids as stored (little-endian int32 bytes): as they are when already packed."""
+    return values if isinstance(values, bytes) else encode_token_ids(values)
+
+
+def _packed_logprobs(values: Any) -> bytes:
+    """Logprobs as stored (little-endian float32 bytes): as they are when already packed."""
+    return values if isinstance(values, bytes) else encode_logprobs(values)
+
+
+#: One float32 NaN, little-endian: the behaviour logprob of a token that has none.
+_NAN = np.array([np.nan], dtype=LOGPROB_DTYPE).tobytes()
+_ID = TOKEN_DTYPE.itemsize  # bytes per token id
 
 
 @dataclass
 class Sample:
     """One training sequence, as the trainer eats it.
 
-    Tokens are kept as numpy segments (one per prompt, glue or completion) and joined on demand:
-    `token_array()` and friends for the projector, `token_ids` and friends as lists for people.
+    Tokens are kept packed, as the log stores them (little-endian int32 bytes), with one run per
+    prompt, glue or completion for the mask and the logprobs: a sample is assembled, compared
+    and written with byte operations, never a Python object per token. `token_bytes` and
+    friends are what the projector writes, `token_array()` and friends numpy views of them, and
+    `token_ids` and friends lists for people.
     """
 
     sample_id: uuid.UUID
@@ -81,32 +103,35 @@ class Sample:
     divergence: Divergence | None = None  # why this branch started (None for the first)
     alternative_of: int | None = None  # for an n>1 choice not continued: its turn
     is_final: bool = False
-    _ids: list[np.ndarray[Any, Any]] = field(default_factory=list, repr=False)
-    # One entry per segment: its length, and its logprobs when the model generated it.
-    _lengths: list[int] = field(default_factory=list, repr=False)
-    _generated: list[np.ndarray[Any, Any] | None] = field(default_factory=list, repr=False)
+    token_bytes: bytes = b""  #: all token ids, packed
+    # One run per segment: its length in tokens, and its packed logprobs when the model
+    # generated it (None for prompt and glue).
+    _runs: list[tuple[int, bytes | None]] = field(default_factory=list, repr=False)
     response_len: int = 0  #: tokens the model generated in this sample (loss mask 1)
 
+    def __len__(self) -> int:
+        return len(self.token_bytes) // _ID
+
+    def mask_bytes(self) -> bytes:
+        """The loss mask, one byte per token: 1 where the model generated the token."""
+        return b"".join((b"\x00" if lp is None else b"\x01") * n for n, lp in self._runs)
+
+    def logprob_bytes(self) -> bytes:
+        """Behaviour logprobs, packed float32: 0.0 where the mask is 0, NaN where the engine
+        gave none."""
+        return b"".join(bytes(4 * n) if lp is None else lp for n, lp in self._runs)
+
     def token_array(self) -> np.ndarray[Any, np.dtype[np.int32]]:
-        """All token ids, int32."""
-        if len(self._ids) != 1:  # join once; later calls find one segment
-            self._ids = [np.concatenate(self._ids) if self._ids else _ids([])]
-        return self._ids[0]
+        """All token ids, int32 (a read-only view)."""
+        return decode_token_ids(self.token_bytes)  # type: ignore[return-value]
 
     def mask_array(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        """The loss mask, uint8: 1 where the model generated the token."""
-        kinds = np.array([g is not None for g in self._generated], dtype=np.uint8)
-        return np.repeat(kinds, self._lengths)
+        """The loss mask, uint8 (a read-only view)."""
+        return np.frombuffer(self.mask_bytes(), dtype=np.uint8)
 
     def logprob_array(self) -> np.ndarray[Any, np.dtype[np.float32]]:
-        """Behaviour logprobs, float32; 0.0 where the mask is 0 (NaN if the engine gave none)."""
-        out = np.zeros(sum(self._lengths), np.float32)
-        start = 0
-        for length, logprobs in zip(self._lengths, self._generated, strict=True):
-            if logprobs is not None:
-                out[start : start + length] = logprobs
-            start += length
-        return out
+        """Behaviour logprobs, float32 (a read-only view)."""
+        return decode_logprobs(self.logprob_bytes())  # type: ignore[return-value]
 
     @property
     def token_ids(self) -> list[int]:
@@ -116,7 +141,7 @@ class Sample:
     @property
     def loss_mask(self) -> list[int]:
         """1 where the model generated the token, 0 elsewhere."""
-        return self.mask_array().tolist()  # type: ignore[no-any-return]
+        return list(self.mask_bytes())
 
     @property
     def logprobs(self) -> list[float]:
@@ -125,16 +150,16 @@ class Sample:
 
     def _add_turn(self, index: int, turn: TurnRecord, choice: ChoiceRecord) -> None:
         self.turns.append(index)
-        ids = _ids(choice.token_ids)
-        logprobs = np.asarray(choice.logprobs, dtype=np.float32)
+        ids = _packed_ids(choice.token_ids)
+        logprobs = _packed_logprobs(choice.logprobs)
+        n = len(ids) // _ID
         if len(logprobs) != len(ids) or turn.constrained_by is not None:
             # None given, or those of a grammar-masked distribution (see
             # TurnRecord.constrained_by): no behaviour logprobs. The tokens stay, mask 1.
-            logprobs = np.full(len(ids), np.nan, np.float32)
-        self._ids.append(ids)
-        self._lengths.append(len(ids))
-        self._generated.append(logprobs)
-        self.response_len += len(ids)
+            logprobs = _NAN * n
+        self.token_bytes += ids
+        self._runs.append((n, logprobs))
+        self.response_len += n
         self.finish_reason = choice.finish_reason
         if choice.message and choice.message.get("tool_calls"):
             self.tool_turns += 1  # the model called a tool (as `turns.n_tool_calls` counts)
@@ -145,10 +170,9 @@ class Sample:
             if value is not None and value not in seen:
                 seen.append(value)
 
-    def _add_glue(self, tokens: np.ndarray[Any, Any]) -> None:
-        self._ids.append(tokens)
-        self._lengths.append(len(tokens))
-        self._generated.append(None)
+    def _add_glue(self, tokens: bytes) -> None:
+        self.token_bytes += tokens
+        self._runs.append((len(tokens) // _ID, None))
 
 
 def sample_id(session_id: str, branch: int, alternative: str = "") -> uuid.UUID:
@@ -157,39 +181,31 @@ def sample_id(session_id: str, branch: int, alternative: str = "") -> uuid.UUID:
     return uuid.uuid5(_SAMPLE_NAMESPACE, name)
 
 
-def _first_difference(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
+def _first_difference(a: bytes, b: bytes) -> int:
+    """The first token position where two packed sequences differ (the shorter's length if
+    one is a prefix of the other)."""
+    x, y = decode_token_ids(a), decode_token_ids(b)
+    assert x is not None and y is not None
+    n = min(len(x), len(y))
+    differ = np.flatnonzero(x[:n] != y[:n])
     return int(differ[0]) if len(differ) else n
 
 
-def _starts_with(sequence: np.ndarray[Any, Any], prefix: np.ndarray[Any, Any]) -> bool:
-    # Both are int32 (`_ids`): comparing bytes is 5x cheaper than np.array_equal at these sizes.
-    assert sequence.dtype == prefix.dtype == np.int32
-    n = len(prefix)
-    return len(sequence) >= n and sequence[:n].tobytes() == prefix.tobytes()
-
-
-def _divergence_reason(
-    sample: Sample, prompt: np.ndarray[Any, Any], position: int, last: np.ndarray[Any, Any]
-) -> str:
-    held = len(sample.token_array())
-    if position == len(prompt) < held:
+def _divergence_reason(sample: Sample, prompt: bytes, position: int, last: bytes) -> str:
+    held = len(sample)
+    if position == len(prompt) // _ID < held:
         return "history_truncated"  # the prompt is a strict prefix: the context was cut
-    if position >= held - len(last):
+    if position >= held - len(last) // _ID:
         return "template_not_append_only"  # the last completion came back re-rendered
     return "history_rewritten"
 
 
-def _continued_choice(
-    turn: TurnRecord, next_prompt: np.ndarray[Any, Any] | None, base: np.ndarray[Any, Any]
-) -> int:
+def _continued_choice(turn: TurnRecord, next_prompt: bytes | None, base: bytes) -> int:
     """The choice of an n>1 turn that the next turn's prompt continues (default: 0)."""
     if next_prompt is None or len(turn.choices) < 2:
         return min(turn.choices) if turn.choices else 0
     for index in sorted(turn.choices):
-        candidate = np.concatenate([base, _ids(turn.choices[index].token_ids)])
-        if _starts_with(next_prompt, candidate):
+        if next_prompt.startswith(base + _packed_ids(turn.choices[index].token_ids)):
             return index
     return min(turn.choices)
 
@@ -197,43 +213,43 @@ def _continued_choice(
 def build_samples(session: SessionRecord) -> list[Sample]:
     """The samples of one session, by the rules in this module's docstring."""
     usable = [(i, t) for i, t in enumerate(session.turns) if t.status == "completed" and t.choices]
-    prompts = [_ids(t.prompt_token_ids) for _, t in usable]
+    prompts = [_packed_ids(t.prompt_token_ids) for _, t in usable]
     samples: list[Sample] = []
     current: Sample | None = None
-    last_completion = _ids([])
+    last_completion = b""
     for n, (index, turn) in enumerate(usable):
         prompt = prompts[n]
         next_prompt = prompts[n + 1] if n + 1 < len(usable) else None
         chosen = _continued_choice(turn, next_prompt, prompt)
         choice = turn.choices[chosen]
 
-        glue: np.ndarray[Any, Any] | None = None
+        glue: bytes | None = None
         if current is not None:
-            held = current.token_array()
-            if _starts_with(prompt, held):
+            held = current.token_bytes
+            if prompt.startswith(held):
                 glue = prompt[len(held) :]
             elif (
-                len(last_completion)
+                last_completion
                 and current.finish_reason == "stop"
-                and _starts_with(prompt, held[:-1])
+                and prompt.startswith(held[:-_ID])
             ):
-                glue = prompt[len(held) - 1 :]  # the end-of-turn token was not repeated
+                glue = prompt[len(held) - _ID :]  # the end-of-turn token was not repeated
         if current is None or glue is None:
             divergence = None
             if current is not None:
-                at = _first_difference(prompt, current.token_array())
+                at = _first_difference(prompt, current.token_bytes)
                 reason = _divergence_reason(current, prompt, at, last_completion)
                 divergence = Divergence(index, at, reason)
             branch = len([s for s in samples if s.alternative_of is None])
             current = Sample(sample_id(session.session_id, branch), session, branch)
             current.divergence = divergence
             current._add_glue(prompt)
-            current.prompt_len = len(prompt)
+            current.prompt_len = len(prompt) // _ID
             samples.append(current)
         else:
             current._add_glue(glue)
         current._add_turn(index, turn, choice)
-        last_completion = _ids(choice.token_ids)
+        last_completion = _packed_ids(choice.token_ids)
 
         for other in sorted(set(turn.choices) - {chosen}):
             alternative = Sample(
@@ -243,7 +259,7 @@ def build_samples(session: SessionRecord) -> list[Sample]:
                 alternative_of=index,
             )
             alternative._add_glue(prompt)
-            alternative.prompt_len = len(prompt)
+            alternative.prompt_len = len(prompt) // _ID
             alternative._add_turn(index, turn, turn.choices[other])
             samples.append(alternative)
 

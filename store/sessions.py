@@ -41,8 +41,8 @@ class ChoiceRecord:
     """One generated choice of a turn: its tokens, their logprobs, how it ended."""
 
     index: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # bytes as stored, when `packed`
+    logprobs: list[float] = field(default_factory=list)  # bytes as stored, when `packed`
     text: str = ""
     finish_reason: str | None = None
     stop_reason: Any = None
@@ -79,7 +79,7 @@ class TurnRecord:
     logprobs_mode: str | None
     stream: bool
     sampling: dict[str, Any]
-    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)  # bytes as stored, when `packed`
     choices: dict[int, ChoiceRecord] = field(default_factory=dict)
     status: str = "in_progress"  # in_progress | completed | failed
     failure: dict[str, Any] | None = None
@@ -200,15 +200,14 @@ class _Chunks:
     logprobs: list[bytes] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
 
-    def close(self, arrays: bool) -> None:
-        ids = decode_token_ids(b"".join(self.token_ids))
-        logprobs = decode_logprobs(b"".join(self.logprobs))
-        if arrays:
+    def close(self, packed: bool) -> None:
+        ids, logprobs = b"".join(self.token_ids), b"".join(self.logprobs)
+        if packed:
             self.choice.token_ids = ids  # type: ignore[assignment]
             self.choice.logprobs = logprobs  # type: ignore[assignment]
         else:
-            self.choice.token_ids += _ints(ids)
-            self.choice.logprobs += np.asarray(logprobs, dtype=np.float64).tolist()
+            self.choice.token_ids += _ints(decode_token_ids(ids))
+            self.choice.logprobs += np.asarray(decode_logprobs(logprobs), np.float64).tolist()
         self.choice.text += "".join(self.text)
 
 
@@ -224,14 +223,14 @@ _DISCARDED = EventType.SESSION_DISCARDED.value
 
 
 def rebuild_session(
-    session_id: str, events: list[RecordedEvent], *, arrays: bool = False
+    session_id: str, events: list[RecordedEvent], *, packed: bool = False
 ) -> SessionRecord:
     """Fold a session's events (in log order) into a `SessionRecord`.
 
     The most frequent events (completion chunks) are checked first, and their arrays are
     joined as stored bytes and decoded once per choice: the projector folds every session.
-    With `arrays`, token ids and logprobs stay numpy arrays (int32, float32) instead of lists:
-    what `store.samples` works on, without a Python object per token.
+    With `packed`, token ids and logprobs stay as stored (little-endian int32 and float32
+    bytes) instead of lists: what `store.samples` works on, without a Python object per token.
     """
     session = SessionRecord(session_id, n_events=len(events))
     turns: dict[str, TurnRecord] = {}
@@ -253,8 +252,10 @@ def rebuild_session(
                 pending.text.append(payload.get("text") or "")
         elif kind == _PROMPT:
             if stream in turns:
-                prompt = event.token_ids
-                turns[stream].prompt_token_ids = prompt if arrays else _ints(prompt)  # type: ignore[assignment]
+                prompt = event.packed_token_ids or b""
+                turns[stream].prompt_token_ids = (
+                    prompt if packed else _ints(decode_token_ids(prompt))  # type: ignore[assignment]
+                )
         elif kind == _RECEIVED:
             payload = event.payload
             turn = TurnRecord(
@@ -309,5 +310,5 @@ def rebuild_session(
             session.discarded = event.payload.get("reason") or "discarded"
         # else: a newer event type; a reader of today ignores what it does not know
     for pending in chunks.values():
-        pending.close(arrays)
+        pending.close(packed)
     return session

@@ -112,10 +112,13 @@ class Subscription:
             self._wake.clear()
             while True:
                 rows = await conn.fetch(
-                    queries.READ_ALL, self._tx_id, self.position, self.batch_size
+                    queries.READ_ALL,
+                    self._tx_id,
+                    self.position,
+                    self.batch_size,
+                    record_class=RecordedEvent,
                 )
-                for row in rows:
-                    event = RecordedEvent(row)
+                for event in rows:
                     self._tx_id, self.position = event.tx_id, event.position
                     yield event
                 if len(rows) < self.batch_size:

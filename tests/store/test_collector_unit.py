@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from store.collector import YOUNG_COLLECTION_EVERY, fewer_collections
+from store.collector import YOUNG_COLLECTION_EVERY, collections_paused, fewer_collections
 
 
 def test_young_collections_are_rarer_inside_and_restored_after_the_last_exit() -> None:
@@ -24,3 +24,22 @@ def test_freezing_hides_what_was_alive_on_entry_until_exit() -> None:
     with fewer_collections(freeze=True):
         assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
+
+
+def test_paused_collections_nest_and_restore_the_state_found() -> None:
+    assert gc.isenabled()
+    first, second = collections_paused(), collections_paused()
+    first.__enter__()
+    second.__enter__()
+    assert not gc.isenabled()
+    first.__exit__(None, None, None)
+    assert not gc.isenabled()  # the second is still inside
+    second.__exit__(None, None, None)
+    assert gc.isenabled()
+    gc.disable()  # a process that had disabled collection keeps it disabled
+    try:
+        with collections_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

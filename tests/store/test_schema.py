@@ -23,6 +23,14 @@ CATALOG_QUERIES = {
         FROM information_schema.columns
         WHERE table_schema = 'public' AND table_name <> 'alembic_version'
         ORDER BY table_name, column_name""",
+    # How large values are stored: pg_attribute's compression ('l' lz4, '' the default) and
+    # storage ('x' compressed then out of line, 'e' out of line uncompressed).
+    "storage": """
+        SELECT attrelid::regclass::text, attname, attcompression, attstorage
+        FROM pg_attribute
+        WHERE attrelid::regclass::text IN ('events', 'samples') AND attnum > 0
+          AND NOT attisdropped
+        ORDER BY 1, 2""",
     "constraints": """
         SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid)
         FROM pg_constraint
@@ -135,3 +143,24 @@ async def test_events_cannot_be_changed_or_removed(store: EventStore, statement:
     with pytest.raises(asyncpg.RestrictViolationError, match="events are immutable"):
         await store.pool.execute(statement)
     assert len(await store.read_stream("session-a")) == 1
+
+
+async def test_token_arrays_are_compressed_with_lz4_or_not_at_all(store: EventStore) -> None:
+    # pglz, PostgreSQL's default, is slow on token arrays (migration 0006): lz4 where the server
+    # was built with it, else stored uncompressed. A long, repetitive prompt would be compressed.
+    prompt = [1, 2, 3, 4] * 2000
+    await store.append(
+        "request-r1", [NewEvent(EventType.PROMPT_TOKENS, session_id="a", token_ids=prompt)]
+    )
+    async with store.pool.acquire() as conn:
+        try:
+            await conn.execute("CREATE TEMP TABLE lz4_probe (b bytea COMPRESSION lz4)")
+            server_has_lz4 = True
+        except asyncpg.FeatureNotSupportedError:
+            server_has_lz4 = False
+        method = await conn.fetchval(
+            "SELECT pg_column_compression(token_ids) FROM events WHERE stream_id = 'request-r1'"
+        )
+    assert method == ("lz4" if server_has_lz4 else None)
+    [event] = await store.read_stream("request-r1")
+    assert event.token_ids is not None and event.token_ids.tolist() == prompt
