@@ -109,7 +109,9 @@ class Sample:
     _runs: list[tuple[int, bytes | None]] = field(default_factory=list, repr=False)
     response_len: int = 0  #: tokens the model generated in this sample (loss mask 1)
 
-    def __len__(self) -> int:
+    @property
+    def n_tokens(self) -> int:
+        """How many tokens the sample holds."""
         return len(self.token_bytes) // _ID
 
     def mask_bytes(self) -> bytes:
@@ -192,7 +194,7 @@ def _first_difference(a: bytes, b: bytes) -> int:
 
 
 def _divergence_reason(sample: Sample, prompt: bytes, position: int, last: bytes) -> str:
-    held = len(sample)
+    held = sample.n_tokens
     if position == len(prompt) // _ID < held:
         return "history_truncated"  # the prompt is a strict prefix: the context was cut
     if position >= held - len(last) // _ID:
