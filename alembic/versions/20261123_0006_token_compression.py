@@ -9,7 +9,10 @@ their exponent bytes). The projector's COPY and every proxied prompt's append pa
 lz4 needs a server built with it (Debian's and the official images are; the embedded pgserver
 build is not): there the arrays are stored out of line uncompressed (STORAGE EXTERNAL) instead,
 and the loss mask, whose runs of 0 and 1 pglz shrinks many times over, keeps pglz.
-Both forms change only how new values are stored; values already written stay as they are.
+Both forms change only how new values are stored; values already written stay as they are. The
+change is to the catalog alone, but it takes an ACCESS EXCLUSIVE lock on `events`: run beside a
+busy proxy, the migration gives up after 2 s (and can simply be run again) rather than hold every
+append queued behind its lock request while it waits for a long reader to finish.
 
 Revision ID: 0006_token_compression
 Revises: 0005_facts_index
@@ -53,10 +56,15 @@ _DOWNGRADE = [
 ]
 
 
+_LOCK_TIMEOUT = "SET LOCAL lock_timeout = '2s'"
+
+
 def upgrade() -> None:
+    op.execute(_LOCK_TIMEOUT)
     op.execute(_UPGRADE)
 
 
 def downgrade() -> None:
+    op.execute(_LOCK_TIMEOUT)
     for statement in _DOWNGRADE:
         op.execute(statement)

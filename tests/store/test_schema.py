@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import asyncpg
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from store import EventStore, EventType, NewEvent, SchemaNotReady, migrations
@@ -122,6 +124,27 @@ async def test_the_facts_index_migration_reruns_over_what_a_cut_off_build_left(
     finally:
         await conn.close()
     await asyncio.to_thread(migrations.upgrade, database_url)
+    assert await catalog(database_url) == before
+
+
+async def test_the_compression_migration_gives_up_quickly_behind_a_long_reader(
+    database_url: str,
+) -> None:
+    # Migration 0006 takes an ACCESS EXCLUSIVE lock on events. Behind an open transaction that
+    # read events it must fail within its 2 s lock timeout, not queue appends indefinitely.
+    before = await catalog(database_url)
+    await asyncio.to_thread(migrations.downgrade, database_url, "0005_facts_index")
+    reader = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        async with reader.transaction():
+            await reader.fetchval("SELECT count(*) FROM events")  # holds its lock until the end
+            started = time.monotonic()
+            with pytest.raises(DBAPIError, match="lock timeout"):
+                await asyncio.to_thread(migrations.upgrade, database_url)
+            assert time.monotonic() - started < 10
+    finally:
+        await reader.close()
+    await asyncio.to_thread(migrations.upgrade, database_url)  # the reader gone, it goes through
     assert await catalog(database_url) == before
 
 
