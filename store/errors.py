@@ -94,5 +94,9 @@ class SchemaNotReady(StoreError):
     """The database has no trajstore schema yet: run `trajstore migrate`."""
 
 
+class MigrationBlocked(StoreError):
+    """A migration gave up waiting for a table lock (a long transaction holds the table)."""
+
+
 class EmbeddedServerError(StoreError):
     """The embedded PostgreSQL server could not be set up, started or stopped."""
