@@ -3,8 +3,9 @@
     python benchmarks/projection.py [--shape short|agent|both] [--sessions N] [--runs 5]
 
 Records multi-turn sessions as the proxy does (each turn's prompt extends the previous turn's
-prompt and completion by a tool result, so every session is one sample; completion chunks of 16
-tokens with float32 logprobs), a reward and a finish each, in one of two shapes:
+prompt and completion by a tool result, so every session is one sample; each request's body holds
+the conversation so far as text, about four characters per token; completion chunks of 16 tokens
+with float32 logprobs), a reward and a finish each, in one of two shapes:
 
 - short: 4 turns, a 256-token first prompt, 64-token completions, 32-token tool results, 1,000
   sessions: small events, so the per-event and per-session costs decide;
@@ -66,6 +67,18 @@ SHAPES = {
 }
 
 
+#: Words to write messages with: the request bodies hold the conversation as text, about four
+#: characters per token, as an agent sends it.
+WORDS = np.array(
+    ["the", "of", "and", "to", "in", "is", "for", "that", "with", "on", "as", "def", "return"]
+)
+
+
+def text(rng: np.random.Generator, tokens: int) -> str:
+    """About `tokens` tokens' worth of text."""
+    return " ".join(rng.choice(WORDS, max(1, tokens)))
+
+
 async def record(url: str, shape: Shape) -> int:
     """Write the sessions; return how many prompt + completion tokens their events hold."""
     rng = np.random.default_rng(0)
@@ -82,11 +95,24 @@ async def record(url: str, shape: Shape) -> int:
                 [event(EventType.SESSION_CREATED, payload={"task_id": "t"})],
             )
             prompt = rng.integers(5, 150_000, shape.first_prompt, dtype=np.int32)
+            messages = [{"role": "system", "content": text(rng, shape.first_prompt)}]
             for t in range(shape.turns):
                 completion = rng.integers(5, 150_000, shape.completion, dtype=np.int32)
+                answer = text(rng, shape.completion)
                 request_id = f"{session}-{t}"
                 events = [
-                    event(EventType.REQUEST_RECEIVED, payload={"request_id": request_id}),
+                    event(
+                        EventType.REQUEST_RECEIVED,
+                        payload={
+                            "request_id": request_id,
+                            "api": "chat",
+                            "body": {"model": "m", "messages": messages, "temperature": 1.0},
+                            "sampling": {"model": "m", "temperature": 1.0},
+                            "engine": "http://engine",
+                            "policy_version": "0",
+                            "stream": True,
+                        },
+                    ),
                     event(EventType.PROMPT_TOKENS, payload={"choice": None}, token_ids=prompt),
                 ]
                 for c in range(0, shape.completion, CHUNK):
@@ -101,13 +127,26 @@ async def record(url: str, shape: Shape) -> int:
                 events.append(
                     event(
                         EventType.COMPLETION_FINISHED,
-                        payload={"choices": [{"index": 0, "finish_reason": "stop"}]},
+                        payload={
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "finish_reason": "stop",
+                                    "message": {"role": "assistant", "content": answer},
+                                }
+                            ]
+                        },
                     )
                 )
                 writer.append_many(request_stream(request_id), 1, events)
                 tokens += len(prompt) + shape.completion
                 tool_result = rng.integers(5, 150_000, shape.tool_result, dtype=np.int32)
                 prompt = np.concatenate([prompt, completion, tool_result])
+                messages = [
+                    *messages,
+                    {"role": "assistant", "content": answer},
+                    {"role": "tool", "content": text(rng, shape.tool_result)},
+                ]
             writer.append_many(
                 session_stream(session),
                 2,
