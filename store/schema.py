@@ -223,11 +223,14 @@ for _statement in EVENTS_DDL:
 
 # Token arrays: lz4 where the server has it, else uncompressed. pglz, PostgreSQL's default, cost
 # half of its CPU in the projector's COPY and gains little on int32 ids (migration 0006 says more).
+# Payloads (a request's body is the whole conversation): lz4 where the server has it, else pglz
+# (migration 0007).
 TOKEN_COMPRESSION_DDL = """
 DO $$
 BEGIN
     ALTER TABLE events ALTER COLUMN token_ids SET COMPRESSION lz4,
-        ALTER COLUMN logprobs SET COMPRESSION lz4;
+        ALTER COLUMN logprobs SET COMPRESSION lz4,
+        ALTER COLUMN payload SET COMPRESSION lz4;
     ALTER TABLE samples ALTER COLUMN token_ids SET COMPRESSION lz4,
         ALTER COLUMN loss_mask SET COMPRESSION lz4,
         ALTER COLUMN logprobs SET COMPRESSION lz4;

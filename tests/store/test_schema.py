@@ -133,7 +133,7 @@ async def test_the_compression_migration_gives_up_quickly_behind_a_long_reader(
     # Migration 0006 takes an ACCESS EXCLUSIVE lock on events. Behind an open transaction that
     # read events it must fail within its 2 s lock timeout, not queue appends indefinitely.
     before = await catalog(database_url)
-    await asyncio.to_thread(migrations.downgrade, database_url, "0005_facts_index")
+    await asyncio.to_thread(migrations.downgrade, database_url, "0005_facts_index")  # before 0006
     reader = await asyncpg.connect(asyncpg_dsn(database_url))
     try:
         async with reader.transaction():
@@ -168,6 +168,33 @@ async def test_events_cannot_be_changed_or_removed(store: EventStore, statement:
     assert len(await store.read_stream("session-a")) == 1
 
 
+async def server_has_lz4(conn: asyncpg.Connection) -> bool:
+    try:
+        await conn.execute("CREATE TEMP TABLE lz4_probe (b bytea COMPRESSION lz4)")
+    except asyncpg.FeatureNotSupportedError:
+        return False
+    await conn.execute("DROP TABLE lz4_probe")
+    return True
+
+
+async def test_a_long_request_body_is_compressed_with_lz4_where_the_server_has_it(
+    store: EventStore,
+) -> None:
+    # A request's body is the conversation so far; pglz made storing it the most of what a
+    # model call cost PostgreSQL (migration 0007).
+    body = {"messages": [{"role": "user", "content": "def f(x): return x + 1\n" * 2000}]}
+    event = NewEvent(EventType.REQUEST_RECEIVED, session_id="a", payload={"body": body})
+    await store.append("request-r1", [event])
+    async with store.pool.acquire() as conn:
+        expected = "lz4" if await server_has_lz4(conn) else "pglz"
+        method = await conn.fetchval(
+            "SELECT pg_column_compression(payload) FROM events WHERE stream_id = 'request-r1'"
+        )
+    assert method == expected
+    [stored] = await store.read_stream("request-r1")
+    assert stored.payload == {"body": body}
+
+
 async def test_token_arrays_are_compressed_with_lz4_or_not_at_all(store: EventStore) -> None:
     # pglz, PostgreSQL's default, is slow on token arrays (migration 0006): lz4 where the server
     # was built with it, else stored uncompressed. A long, repetitive prompt would be compressed.
@@ -176,14 +203,10 @@ async def test_token_arrays_are_compressed_with_lz4_or_not_at_all(store: EventSt
         "request-r1", [NewEvent(EventType.PROMPT_TOKENS, session_id="a", token_ids=prompt)]
     )
     async with store.pool.acquire() as conn:
-        try:
-            await conn.execute("CREATE TEMP TABLE lz4_probe (b bytea COMPRESSION lz4)")
-            server_has_lz4 = True
-        except asyncpg.FeatureNotSupportedError:
-            server_has_lz4 = False
+        expected = "lz4" if await server_has_lz4(conn) else None
         method = await conn.fetchval(
             "SELECT pg_column_compression(token_ids) FROM events WHERE stream_id = 'request-r1'"
         )
-    assert method == ("lz4" if server_has_lz4 else None)
+    assert method == expected
     [event] = await store.read_stream("request-r1")
     assert event.token_ids is not None and event.token_ids.tolist() == prompt
