@@ -4,7 +4,9 @@ CPython collects its youngest objects every 700 allocations, and each collection
 young object still alive, garbage or not. The proxy keeps the state of hundreds of requests
 alive and makes a dict for every JSON object it parses; the projector holds a batch's rows and
 events while it folds them. Both were walking the same live objects hundreds of times a second:
-the proxy's p99 and a fifth of the projector's time. Measured figures in docs/architecture.md.
+the proxy's p99 and a fifth of the projector's time. The proxy collects rarely and freezes what
+it starts with (`fewer_collections`); the projector does not collect at all while a batch is
+alive (`collections_paused`). Measured figures in docs/architecture.md.
 """
 
 from __future__ import annotations
