@@ -1,6 +1,7 @@
 """What the recording proxy costs, against going direct and a bare pass-through, in the same run.
 
     python benchmarks/proxy_overhead.py [--quick] [--duration 4] [--runs 2] [--sessions-soak 1000]
+                                        [--context-tokens 0] [--vllm]
 
 Starts four processes: the instant fake engine (tests/proxy/fake_engine.py, cached answers), the
 floor (benchmarks/passthrough.py: aiohttp relay, no recording) and `trajstore proxy` recording
@@ -12,6 +13,8 @@ is finished and the tokens stored are reconciled with the tokens the clients rec
 soak sends N concurrent streaming requests, one per fresh session, through trajstore. With
 `--vllm`, a fourth target "direct+ids" sends the engine directly what trajstore sends it (token
 ids and logprobs asked for), which separates the engine's cost of them from the proxy's own.
+With `--context-tokens N`, each request carries N tokens of earlier turns (tool calls and their
+output), as an agent deep into an episode sends it: the proxy parses, forwards and records it.
 
 The database is TRAJSTORE_DATABASE_URL's server, else the embedded one; it needs the right to
 create databases. Prints medians over the runs, then the ratios the proxy is held to. Exits
@@ -55,6 +58,18 @@ MESSAGES = [
     {"role": "system", "content": "You are a careful coding agent. Answer with a patch."},
     {"role": "user", "content": "The test in tests/test_io.py fails with a KeyError; fix it."},
 ]
+
+
+def history(tokens: int) -> list[dict[str, str]]:
+    """An agent's earlier turns, about `tokens` tokens of them (four characters a token): tool
+    calls and their results, as a request deep into an episode carries them."""
+    turns: list[dict[str, str]] = []
+    line = "    assert parse(row)[key] == expected, (key, row)  # tests/test_io.py\n"
+    while sum(len(m["content"]) for m in turns) < 4 * tokens:
+        turns.append({"role": "assistant", "content": "Let me look at the failing test first."})
+        turns.append({"role": "tool", "content": line * 60})  # ~1,000 tokens of output
+    return turns
+
 
 #: The engine in its own process. FakeEngine keeps every request it saw, for tests; a benchmark
 #: would grow it by a hundred thousand dicts, so it keeps only the last one here.
@@ -577,6 +592,7 @@ async def answer_sizes(http: aiohttp.ClientSession, engine_url: str) -> str:
             async with http.post(engine_url + "/v1/chat/completions", json=body) as resp:
                 sizes.append(len(await resp.read()))
     return (
+        f"request body bytes {len(request_body(False))}; "
         f"engine answer bytes, as the agent asks / as trajstore asks: non-stream "
         f"{sizes[0]} / {sizes[1]}, stream {sizes[2]} / {sizes[3]}"
     )
@@ -712,11 +728,17 @@ if __name__ == "__main__":
         "--sessions-soak", type=int, help="sessions of the soak, 0: none [1000; quick 200]"
     )
     parser.add_argument(
+        "--context-tokens", type=int, default=0,
+        help="earlier turns each request carries (about 4 bytes a token) [0: a two-message chat]",
+    )  # fmt: skip
+    parser.add_argument(
         "--vllm", action="store_true",
         help="against a real vLLM (CPU) on the generated tiny model, at modest concurrency "
         "[levels 1 4 16], reporting throughput against direct",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.context_tokens:
+        MESSAGES[1:1] = history(args.context_tokens)
     soak_sessions = args.sessions_soak
     if soak_sessions is None:
         soak_sessions = 200 if args.quick else 1000
