@@ -225,7 +225,7 @@ for _statement in EVENTS_DDL:
 # half of its CPU in the projector's COPY and gains little on int32 ids (migration 0006 says more).
 # Payloads (a request's body is the whole conversation): lz4 where the server has it, else pglz
 # (migration 0007).
-TOKEN_COMPRESSION_DDL = """
+COMPRESSION_DDL = """
 DO $$
 BEGIN
     ALTER TABLE events ALTER COLUMN token_ids SET COMPRESSION lz4,
@@ -241,7 +241,7 @@ EXCEPTION WHEN feature_not_supported THEN  -- a server built without lz4
         ALTER COLUMN logprobs SET STORAGE EXTERNAL;
 END
 $$"""
-event.listen(metadata, "after_create", _ddl(TOKEN_COMPRESSION_DDL))
+event.listen(metadata, "after_create", _ddl(COMPRESSION_DDL))
 
 # The views and the reader role come after every table (they read events and samples).
 for _sql in views.CREATE:

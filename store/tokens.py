@@ -30,7 +30,7 @@ LogprobsLike = Sequence[float] | npt.NDArray[np.floating]
 def encode_token_ids(token_ids: TokenIdsLike) -> bytes:
     """Pack token ids (non-negative integers below 2**31) as little-endian int32 bytes."""
     if isinstance(token_ids, list):
-        return _pack_list(token_ids, "i", "token_ids must be integers")
+        return _pack_list(token_ids, "I", "token_ids must be integers")
     array = np.asarray(token_ids)
     if array.ndim != 1:
         raise BadEvent(f"token_ids must be one-dimensional, got shape {array.shape}")
@@ -66,20 +66,20 @@ assert array.array("I").itemsize == array.array("f").itemsize == 4  # as on ever
 
 
 def _pack_list(values: list[Any], typecode: str, message: str) -> bytes:
-    """The fast path for Python lists (what the proxy records): the array module, no numpy.
+    """The fast path for Python lists (what the proxy records): the array module packs them.
 
-    Token ids go through array('I'), which refuses negatives, floats and text by itself and is
+    Token ids go in as array('I'), which refuses negatives, floats and text by itself and is
     about 2.5x faster on a long prompt than array('i') followed by a Python-level min(); the
     upper bound is one vectorised max. Valid ids have the same bytes as int32 and as uint32.
     (Measured on a 16,000-token prompt: 451 -> 76 µs, most of a long request's recording.)
     """
     try:
-        packed = array.array("I" if typecode == "i" else typecode, values)
+        packed = array.array(typecode, values)
     except OverflowError:
         raise BadEvent(f"token ids must lie in [0, {MAX_TOKEN_ID}]") from None
     except TypeError:
         raise BadEvent(message) from None
-    if typecode == "i" and values and np.frombuffer(packed, np.uint32).max() > MAX_TOKEN_ID:
+    if typecode == "I" and values and np.frombuffer(packed, np.uint32).max() > MAX_TOKEN_ID:
         raise BadEvent(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
     if not _NATIVE:
         packed.byteswap()
