@@ -160,6 +160,16 @@ async def record(url: str, shape: Shape) -> int:
     return tokens
 
 
+async def stored_bytes(url: str) -> int:
+    """What the recorded events take on disk: the table, its TOAST and its indexes."""
+    conn: asyncpg.Connection = await connect(url)
+    try:
+        await conn.execute("VACUUM events")  # the free space map and visibility, as in steady use
+        return int(await conn.fetchval("SELECT pg_total_relation_size('events')"))
+    finally:
+        await conn.close()
+
+
 async def rebuild(url: str) -> float:
     async with await EventStore.open(url) as store:
         started = time.perf_counter()
@@ -197,6 +207,7 @@ async def measure(name: str, shape: Shape, runs: int) -> None:
     try:
         loaded = await databases.fresh()
         tokens = await record(loaded, shape)
+        stored = await stored_bytes(loaded)
         databases.template = loaded.partition("?")[0].rpartition("/")[2]  # clone the loaded one
         ours, raw = [], []
         for _ in range(runs):
@@ -217,6 +228,13 @@ async def measure(name: str, shape: Shape, runs: int) -> None:
         f"{raw_s / ours_s:>7.2f}x"
     )
     print(f"{'sessions/s':24}{shape.sessions / ours_s:>14,.0f}{shape.sessions / raw_s:>14,.0f}")
+    context = shape.first_prompt + shape.turns * shape.completion
+    context += (shape.turns - 1) * shape.tool_result
+    print(
+        f"stored: {stored / shape.sessions / 1024:,.1f} KiB per session in the events table "
+        f"(indexes and TOAST included): {stored / shape.sessions / context:,.0f} bytes per token "
+        f"of a session's final {context:,}-token context (its sample stores 9)"
+    )
 
 
 async def main(shapes: list[str], sessions: int | None, runs: int) -> None:
