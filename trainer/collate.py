@@ -63,9 +63,9 @@ class ReplaySample(NamedTuple):
     @property
     def checksum(self) -> int:
         """CRC-32 of the stored arrays: tells a rebuild whether the sample still holds the same."""
-        crc = zlib.crc32(_contiguous(self.token_ids))
-        crc = zlib.crc32(_contiguous(self.loss_mask), crc)
-        return zlib.crc32(_contiguous(self.logprobs), crc)
+        crc = zlib.crc32(_contiguous(self.token_ids).data)  # the buffers: no copy
+        crc = zlib.crc32(_contiguous(self.loss_mask).data, crc)
+        return zlib.crc32(_contiguous(self.logprobs).data, crc)
 
     def describe(self, row: int) -> dict[str, Any]:
         """The JSON-able record of this sample in a batch (see the module docstring)."""
