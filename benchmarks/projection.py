@@ -3,9 +3,10 @@
     python benchmarks/projection.py [--shape short|agent|both] [--sessions N] [--runs 5]
 
 Records multi-turn sessions as the proxy does (each turn's prompt extends the previous turn's
-prompt and completion by a tool result, so every session is one sample; each request's body holds
-the conversation so far as text, about four characters per token; completion chunks of 16 tokens
-with float32 logprobs), a reward and a finish each, in one of two shapes:
+prompt and completion by a tool result, so every session is one sample, and is stored as a
+reference to that turn plus the new tokens; each request's body holds the conversation so far
+as text, about four characters per token; completion chunks of 16 tokens with float32
+logprobs), a reward and a finish each, in one of two shapes:
 
 - short: 4 turns, a 256-token first prompt, 64-token completions, 32-token tool results, 1,000
   sessions: small events, so the per-event and per-session costs decide;
@@ -79,6 +80,22 @@ def text(rng: np.random.Generator, tokens: int) -> str:
     return " ".join(rng.choice(WORDS, max(1, tokens)))
 
 
+def prompt_event(
+    event: functools.partial[NewEvent], prompt: np.ndarray, previous: tuple[str, int] | None
+) -> NewEvent:
+    """A turn's prompt as the proxy stores it: whole on the first turn, then as a reference to
+    the previous turn's prompt and completion plus the new tokens (`store.sessions`)."""
+    if previous is None:
+        return event(EventType.PROMPT_TOKENS, payload={"choice": None}, token_ids=prompt)
+    request_id, shared = previous
+    payload = {
+        "choice": None,
+        "prefix": {"request_id": request_id, "n_tokens": shared},
+        "n_tokens": len(prompt),
+    }
+    return event(EventType.PROMPT_TOKENS, payload=payload, token_ids=prompt[shared:])
+
+
 async def record(url: str, shape: Shape) -> int:
     """Write the sessions; return how many prompt + completion tokens their events hold."""
     rng = np.random.default_rng(0)
@@ -95,6 +112,7 @@ async def record(url: str, shape: Shape) -> int:
                 [event(EventType.SESSION_CREATED, payload={"task_id": "t"})],
             )
             prompt = rng.integers(5, 150_000, shape.first_prompt, dtype=np.int32)
+            previous: tuple[str, int] | None = None
             messages = [{"role": "system", "content": text(rng, shape.first_prompt)}]
             for t in range(shape.turns):
                 completion = rng.integers(5, 150_000, shape.completion, dtype=np.int32)
@@ -113,7 +131,7 @@ async def record(url: str, shape: Shape) -> int:
                             "stream": True,
                         },
                     ),
-                    event(EventType.PROMPT_TOKENS, payload={"choice": None}, token_ids=prompt),
+                    prompt_event(event, prompt, previous),
                 ]
                 for c in range(0, shape.completion, CHUNK):
                     events.append(
@@ -140,6 +158,7 @@ async def record(url: str, shape: Shape) -> int:
                 )
                 writer.append_many(request_stream(request_id), 1, events)
                 tokens += len(prompt) + shape.completion
+                previous = (request_id, len(prompt) + shape.completion)
                 tool_result = rng.integers(5, 150_000, shape.tool_result, dtype=np.int32)
                 prompt = np.concatenate([prompt, completion, tool_result])
                 messages = [

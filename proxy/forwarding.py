@@ -8,6 +8,7 @@ into chunk events. Every failure is recorded as an event and answered in OpenAI'
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from proxy.engines import Engine, EnginePool, NoHealthyEngine
 from proxy.errors import BadRequest, EngineFailed, Overloaded, from_bug
 from proxy.metrics import ProxyMetrics
-from proxy.recorder import RequestRecorder, new_request_id
+from proxy.recorder import PromptContexts, RequestRecorder, new_request_id
 from proxy.sessions import Session
 from proxy.settings import ProxySettings
 from proxy.wire import ENGINE_PATHS, Api, Asked, asked_for, engine_body, extract, parse_body, strip
@@ -84,6 +85,7 @@ class Forwarder:
         self.writer = writer
         self.settings = settings
         self.metrics = metrics
+        self.contexts = PromptContexts()  # so a prompt can be stored as the last turn + new tokens
 
     async def handle(
         self, api: Api, session: Session, raw: bytes, extra_headers: dict[str, str] | None = None
@@ -109,6 +111,8 @@ class Forwarder:
             run_id=session.run_id,
             request_id=new_request_id(),
             chunk_tokens=self.settings.chunk_tokens,
+            previous=self.contexts.get(session.session_id),
+            on_completed=functools.partial(self.contexts.remember, session.session_id),
         )
         try:
             received = recorder.received_event(

@@ -11,11 +11,52 @@ from __future__ import annotations
 
 import random
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
 from store import BadEvent, EventType, EventWriter, NewEvent, request_stream
+from store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
+
+#: A prompt is stored as a reference to the session's last turn when it shares at least this
+#: many leading tokens with it (the prompt_tokens contract in `store.sessions`).
+MIN_SHARED_TOKENS = 16
+
+#: A session's last completed turn: its request id and its prompt + completion, packed.
+Context = tuple[str, bytes]
+
+
+class PromptContexts:
+    """The last completed turn of each session this replica served, so that the next prompt
+    can be stored as a reference to it plus its new tokens.
+
+    Bounded: past `max_bytes`, the sessions whose last turn is oldest are forgotten (their next
+    prompt is then stored whole, as after a restart or on another replica: correct, only larger).
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._contexts: OrderedDict[str, Context] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, session_id: str) -> Context | None:
+        """The session's last completed turn, if this replica remembers it."""
+        return self._contexts.get(session_id)
+
+    def remember(self, session_id: str, request_id: str, tokens: bytes) -> None:
+        """Record a completed turn (called once its events are queued, in log order)."""
+        old = self._contexts.pop(session_id, None)
+        if old is not None:
+            self._bytes -= len(old[1])
+        self._contexts[session_id] = (request_id, tokens)
+        self._bytes += len(tokens)
+        while self._bytes > self.max_bytes and self._contexts:
+            _, (_, dropped) = self._contexts.popitem(last=False)
+            self._bytes -= len(dropped)
 
 
 def _without_nul(value: Any) -> Any:
@@ -61,7 +102,11 @@ class RequestRecorder:
         run_id: str | None,
         request_id: str,
         chunk_tokens: int = 16,
+        previous: Context | None = None,
+        on_completed: Callable[[str, bytes], None] | None = None,
     ) -> None:
+        """`previous`: the session's last completed turn, which the prompt may reference;
+        `on_completed(request_id, tokens)`: told this turn's prompt + completion once finished."""
         self.writer = writer
         self.session_id = session_id
         self.run_id = run_id
@@ -76,6 +121,10 @@ class RequestRecorder:
         self.tokens_recorded = 0
         self._choices: dict[int, _ChoiceBuffer] = {}
         self._outbox: list[NewEvent] = []
+        self.previous = previous
+        self.on_completed = on_completed
+        self._prompt: bytes | None = None  # packed, whole
+        self._completion: list[bytes] = []  # choice 0's recorded chunks, packed
 
     def received_event(
         self,
@@ -116,10 +165,7 @@ class RequestRecorder:
         """
         if extracted.prompt_token_ids is not None and not self.prompt_recorded:
             self.prompt_recorded = True
-            event = self._event(
-                EventType.PROMPT_TOKENS, {"choice": None}, token_ids=extracted.prompt_token_ids
-            )
-            self._outbox.append(event)
+            self._outbox.append(self._prompt_event(extracted.prompt_token_ids))
         for choice in extracted.choices:
             buffer = self._choices.get(choice.index)
             if buffer is None:
@@ -159,6 +205,10 @@ class RequestRecorder:
         }
         await self.emit(self._event(EventType.COMPLETION_FINISHED, payload))
         self.ended = True
+        # The next turn may reference this one: only a whole, single-choice turn (with n > 1 the
+        # next prompt may continue any choice, and store.samples sorts that out).
+        if self.on_completed is not None and self._prompt is not None and set(self._choices) == {0}:
+            self.on_completed(self.request_id, self._prompt + b"".join(self._completion))
 
     async def failed(self, reason: str, message: str, status: int | None = None) -> None:
         """Write what is buffered (partial tokens are kept) and the request_failed event."""
@@ -178,12 +228,27 @@ class RequestRecorder:
 
     # -- internals ----------------------------------------------------------------------------
 
+    def _prompt_event(self, token_ids: list[int]) -> NewEvent:
+        """The prompt_tokens event: whole, or what follows the part shared with `previous`."""
+        packed = encode_token_ids(token_ids)
+        self._prompt = packed
+        ids = np.frombuffer(packed, TOKEN_DTYPE)
+        shared = 0 if self.previous is None else shared_prefix(packed, self.previous[1])
+        if shared < MIN_SHARED_TOKENS:
+            return self._event(EventType.PROMPT_TOKENS, {"choice": None}, token_ids=ids)
+        payload = {
+            "choice": None,
+            "prefix": {"request_id": self.previous[0], "n_tokens": shared},  # type: ignore[index]
+            "n_tokens": len(ids),
+        }
+        return self._event(EventType.PROMPT_TOKENS, payload, token_ids=ids[shared:])
+
     def _event(
         self,
         event_type: EventType,
         payload: dict[str, Any],
         *,
-        token_ids: list[int] | None = None,
+        token_ids: list[int] | np.ndarray | None = None,
         logprobs: list[float] | None = None,
     ) -> NewEvent:
         try:
@@ -264,6 +329,8 @@ class RequestRecorder:
             logprobs=logprobs,
         )
         self.tokens_recorded += len(buffer.token_ids)
+        if index == 0 and event.token_bytes is not None:
+            self._completion.append(event.token_bytes)
         buffer.token_ids, buffer.logprobs, buffer.text = [], [], []
         buffer.logprobs_complete = True
         self._outbox.append(event)

@@ -13,7 +13,10 @@ A session's events live in two kinds of streams (see `store.events`):
     request_received     {request_id, api: chat|completions, body, sampling, engine,
                           policy_version, logprobs_mode, stream, asked: {token_ids, logprobs,
                           usage}, received_at}
-    prompt_tokens        token_ids = the prompt the engine saw; {choice: null}
+    prompt_tokens        token_ids = the prompt the engine saw; {choice: null}; or, when the
+                         prompt continues an earlier turn of the session, {choice: null,
+                         prefix: {request_id, n_tokens}, n_tokens} and token_ids = the prompt
+                         after its first prefix.n_tokens ids (see below)
     completion_chunk     token_ids + logprobs of several generated tokens; {choice, text}
     completion_finished  {choices: [{index, finish_reason, stop_reason, message, n_tokens}],
                           usage, latency_s, ttft_s}
@@ -22,6 +25,13 @@ A session's events live in two kinds of streams (see `store.events`):
 
 `body` is the agent's request as it sent it (no headers, so no keys); `asked` says which of the
 fields training needs the agent asked for itself (the proxy always asks the engine for them).
+
+A prompt with a `prefix` is stored as a reference plus its new tokens: its first `n_tokens` ids
+are the first `n_tokens` of the referenced request's prompt followed by that request's completion
+(choice 0), as recorded; `n_tokens` at the top is the whole prompt's length. The referenced request
+belongs to the same session and comes earlier in the log, so a reader folding the session in log
+order (`rebuild_session`) always has it. Without this, a session's events grow with the square of
+its turns, since every turn's prompt repeats the context before it.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from store.events import EventType, RecordedEvent
+from store.events import EventType, RecordedEvent, request_stream
 from store.tokens import TokenIds, decode_logprobs, decode_token_ids
 
 
@@ -235,6 +245,8 @@ def rebuild_session(
     session = SessionRecord(session_id, n_events=len(events))
     turns: dict[str, TurnRecord] = {}
     chunks: dict[tuple[str, int], _Chunks] = {}
+    prompts: dict[str, bytes] = {}  # packed, as stored: a referencing prompt's new tokens only
+    references: list[tuple[str, dict[str, Any]]] = []  # (stream, prefix), in log order
     for event in events:
         kind = event.type
         stream = event.stream_id
@@ -252,10 +264,9 @@ def rebuild_session(
                 pending.text.append(payload.get("text") or "")
         elif kind == _PROMPT:
             if stream in turns:
-                prompt = event.packed_token_ids or b""
-                turns[stream].prompt_token_ids = (
-                    prompt if packed else _ints(decode_token_ids(prompt))  # type: ignore[assignment]
-                )
+                prompts[stream] = event.packed_token_ids or b""
+                if (prefix := event.payload.get("prefix")) is not None:
+                    references.append((stream, prefix))
         elif kind == _RECEIVED:
             payload = event.payload
             turn = TurnRecord(
@@ -309,6 +320,54 @@ def rebuild_session(
         elif kind == _DISCARDED:
             session.discarded = event.payload.get("reason") or "discarded"
         # else: a newer event type; a reader of today ignores what it does not know
+    _resolve_prefixes(references, prompts, chunks, turns)
+    for stream, prompt in prompts.items():
+        turns[stream].prompt_token_ids = (
+            prompt if packed else _ints(decode_token_ids(prompt))  # type: ignore[assignment]
+        )
     for pending in chunks.values():
         pending.close(packed)
     return session
+
+
+def _resolve_prefixes(
+    references: list[tuple[str, dict[str, Any]]],
+    prompts: dict[str, bytes],
+    chunks: dict[tuple[str, int], _Chunks],
+    turns: dict[str, TurnRecord],
+) -> None:
+    """Make every referencing prompt whole: the referenced turn's prompt and completion, cut to
+    the shared length, then the stored new tokens.
+
+    A referenced prompt is made whole first when it references another (in log order it always
+    is already). A reference the log cannot satisfy (never written by the proxy: a damaged or
+    hand-made log) fails the turn, which keeps it out of training, instead of guessing tokens.
+    """
+    pending = dict(references)
+    resolving: set[str] = set()
+
+    def resolve(stream: str) -> None:
+        prefix = pending.pop(stream)
+        resolving.add(stream)
+        source = request_stream(str(prefix.get("request_id")))
+        shared = 4 * int(prefix.get("n_tokens") or 0)
+        if source in pending:
+            resolve(source)  # out of log order: its own reference first (failed: no prompt)
+        base = None if source in resolving else prompts.get(source)  # None: a cycle
+        if base is not None and len(base) < shared and (completion := chunks.get((source, 0))):
+            base += b"".join(completion.token_ids)
+        resolving.discard(stream)
+        if base is None or len(base) < shared:
+            del prompts[stream]
+            turns[stream].status = "failed"
+            turns[stream].failure = {
+                "reason": "prompt_unresolved",
+                "message": f"its prompt continues request {prefix.get('request_id')!r} for "
+                f"{shared // 4} tokens, which this session's events do not hold",
+            }
+            return
+        prompts[stream] = base[:shared] + prompts[stream]
+
+    for stream, _ in references:
+        if stream in pending:
+            resolve(stream)

@@ -102,3 +102,12 @@ def decode_logprobs(data: bytes | None) -> Logprobs | None:
     if _NATIVE:
         return np.frombuffer(data, dtype=np.float32)
     return np.frombuffer(data, dtype=LOGPROB_DTYPE).astype(np.float32)
+
+
+def shared_prefix(a: bytes, b: bytes) -> int:
+    """How many leading token ids two packed arrays have in common."""
+    n = min(len(a), len(b)) // 4
+    if a[: 4 * n] == b[: 4 * n]:
+        return n  # the usual case (a prompt that extends the last turn): one memcmp
+    different = np.flatnonzero(np.frombuffer(a, TOKEN_DTYPE, n) != np.frombuffer(b, TOKEN_DTYPE, n))
+    return int(different[0])

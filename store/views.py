@@ -61,7 +61,8 @@ SELECT
     CASE WHEN e.event_type = 'request_failed' THEN e.payload ->> 'reason' END AS failure
 FROM events r
 LEFT JOIN LATERAL (
-    SELECT octet_length(token_ids) / 4 AS prompt_tokens FROM events
+    SELECT coalesce((payload ->> 'n_tokens')::int, octet_length(token_ids) / 4) AS prompt_tokens
+    FROM events
     WHERE stream_id = r.stream_id AND event_type = 'prompt_tokens'
     LIMIT 1
 ) p ON true

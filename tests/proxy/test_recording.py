@@ -15,7 +15,8 @@ import orjson
 import pytest
 
 from store import EventType
-from tests.proxy.fake_engine import FakeEngine
+from store.connection import connect
+from tests.proxy.fake_engine import FakeEngine, chat_prompt_ids
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "add 2 and 3"}], "max_tokens": 8}
@@ -226,3 +227,68 @@ async def test_a_slow_stream_shares_few_transactions(
     turn = [e for e in events if e.stream_id.startswith("request-")]
     assert sum(e.type == EventType.COMPLETION_CHUNK for e in turn) == 6
     assert len({e.tx_id for e in turn}) <= 2, "a request's events went in many transactions"
+
+
+async def test_a_prompt_that_continues_the_last_turn_is_stored_as_its_new_tokens(
+    proxy: RunningProxy, events_of: Callable[[str], Awaitable[list[Any]]], database_url: str
+) -> None:
+    session = await proxy.new_session()
+    agent = proxy.agent(session)
+    words = " ".join(f"w{i}" for i in range(40))  # a long first prompt, as an agent's is
+    messages: list[dict[str, Any]] = [{"role": "user", "content": words}]
+    for n in range(3):
+        if n == 1:  # streamed: the prompt ids arrive in the first chunk
+            stream = await agent.chat.completions.create(
+                model="tiny",
+                messages=messages,
+                max_tokens=6,
+                stream=True,  # type: ignore[arg-type]
+            )
+            content = "".join([c.choices[0].delta.content or "" async for c in stream])
+        else:
+            answer = await agent.chat.completions.create(
+                model="tiny",
+                messages=messages,
+                max_tokens=6,  # type: ignore[arg-type]
+            )
+            content = answer.choices[0].message.content or ""
+        messages += [
+            {"role": "assistant", "content": content},
+            {"role": "user", "content": f"tool output {n}"},
+        ]
+    # A new conversation in the same session shares no prefix: stored whole.
+    await agent.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "start over"}], max_tokens=6
+    )
+    await finish(proxy, session)
+
+    events = await events_of(session["session_id"])
+    stored = [e for e in events if e.type == EventType.PROMPT_TOKENS]
+    rebuilt = (await recorded(proxy, session["session_id"]))["turns"]
+    whole = [t["prompt_token_ids"] for t in rebuilt]
+    # What the agent's requests tokenise to, as the engine saw them.
+    expected = [chat_prompt_ids(m) for m in engine_messages(messages)]
+    assert whole == expected
+    first, *continuing, unrelated = stored
+    assert "prefix" not in first.payload and unrelated.payload == {"choice": None}
+    for event, previous, prompt in zip(continuing, rebuilt, whole[1:3], strict=False):
+        so_far = len(previous["prompt_token_ids"]) + len(previous["choices"][0]["token_ids"])
+        assert event.payload["prefix"] == {"request_id": previous["request_id"], "n_tokens": so_far}
+        assert event.payload["n_tokens"] == len(prompt)
+        assert event.token_ids.tolist() == prompt[so_far:]  # only the new tokens are stored
+    assert len(unrelated.token_ids) == len(whole[3])
+    # SQL readers count whole prompts too.
+    conn = await connect(database_url)
+    try:
+        counts = await conn.fetch(
+            "SELECT prompt_tokens FROM turns WHERE session_id = $1 ORDER BY position",
+            session["session_id"],
+        )
+    finally:
+        await conn.close()
+    assert [r["prompt_tokens"] for r in counts] == list(map(len, whole))
+
+
+def engine_messages(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The message lists of the test's four requests: three growing turns, then a fresh one."""
+    return [messages[: 1 + 2 * n] for n in range(3)] + [[{"role": "user", "content": "start over"}]]
