@@ -233,12 +233,13 @@ class RequestRecorder:
         packed = encode_token_ids(token_ids)
         self._prompt = packed
         ids = np.frombuffer(packed, TOKEN_DTYPE)
-        shared = 0 if self.previous is None else shared_prefix(packed, self.previous[1])
-        if shared < MIN_SHARED_TOKENS:
+        previous = self.previous
+        shared = 0 if previous is None else shared_prefix(packed, previous[1])
+        if previous is None or shared < MIN_SHARED_TOKENS:
             return self._event(EventType.PROMPT_TOKENS, {"choice": None}, token_ids=ids)
         payload = {
             "choice": None,
-            "prefix": {"request_id": self.previous[0], "n_tokens": shared},  # type: ignore[index]
+            "prefix": {"request_id": previous[0], "n_tokens": shared},
             "n_tokens": len(ids),
         }
         return self._event(EventType.PROMPT_TOKENS, payload, token_ids=ids[shared:])
