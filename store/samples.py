@@ -44,6 +44,7 @@ from store.tokens import (
     decode_token_ids,
     encode_logprobs,
     encode_token_ids,
+    shared_prefix,
 )
 
 #: Changes whenever the rules above change; samples record it, and a rebuild writes a new one.
@@ -183,16 +184,6 @@ def sample_id(session_id: str, branch: int, alternative: str = "") -> uuid.UUID:
     return uuid.uuid5(_SAMPLE_NAMESPACE, name)
 
 
-def _first_difference(a: bytes, b: bytes) -> int:
-    """The first token position where two packed sequences differ (the shorter's length if
-    one is a prefix of the other)."""
-    x, y = decode_token_ids(a), decode_token_ids(b)
-    assert x is not None and y is not None
-    n = min(len(x), len(y))
-    differ = np.flatnonzero(x[:n] != y[:n])
-    return int(differ[0]) if len(differ) else n
-
-
 def _divergence_reason(sample: Sample, prompt: bytes, position: int, last: bytes) -> str:
     held = sample.n_tokens
     if position == len(prompt) // _ID < held:
@@ -239,7 +230,7 @@ def build_samples(session: SessionRecord) -> list[Sample]:
         if current is None or glue is None:
             divergence = None
             if current is not None:
-                at = _first_difference(prompt, current.token_bytes)
+                at = shared_prefix(prompt, current.token_bytes)
                 reason = _divergence_reason(current, prompt, at, last_completion)
                 divergence = Divergence(index, at, reason)
             branch = len([s for s in samples if s.alternative_of is None])
