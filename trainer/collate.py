@@ -63,9 +63,9 @@ class ReplaySample(NamedTuple):
     @property
     def checksum(self) -> int:
         """CRC-32 of the stored arrays: tells a rebuild whether the sample still holds the same."""
-        crc = zlib.crc32(_contiguous(self.token_ids).data)  # the buffers: no copy
-        crc = zlib.crc32(_contiguous(self.loss_mask).data, crc)
-        return zlib.crc32(_contiguous(self.logprobs).data, crc)
+        crc = zlib.crc32(np.ascontiguousarray(self.token_ids).data)  # the buffers: no copy
+        crc = zlib.crc32(np.ascontiguousarray(self.loss_mask).data, crc)
+        return zlib.crc32(np.ascontiguousarray(self.logprobs).data, crc)
 
     def describe(self, row: int) -> dict[str, Any]:
         """The JSON-able record of this sample in a batch (see the module docstring)."""
@@ -80,11 +80,6 @@ class ReplaySample(NamedTuple):
             "n_tokens": int(self.token_ids.shape[0]),
             "checksum": self.checksum,
         }
-
-
-def _contiguous(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    """The array itself when its buffer is contiguous (as read, always), else a contiguous copy."""
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
 @dataclass(frozen=True)
