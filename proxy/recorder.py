@@ -20,7 +20,7 @@ import numpy as np
 
 from proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
 from store import BadEvent, EventType, EventWriter, NewEvent, request_stream
-from store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
+from store.tokens import TOKEN_DTYPE, shared_prefix
 
 #: A prompt is stored as a reference to the session's last turn when it shares at least this
 #: many leading tokens with it (the prompt_tokens contract in `store.sessions`).
@@ -229,20 +229,24 @@ class RequestRecorder:
     # -- internals ----------------------------------------------------------------------------
 
     def _prompt_event(self, token_ids: list[int]) -> NewEvent:
-        """The prompt_tokens event: whole, or what follows the part shared with `previous`."""
-        packed = encode_token_ids(token_ids)
-        self._prompt = packed
-        ids = np.frombuffer(packed, TOKEN_DTYPE)
+        """The prompt_tokens event: whole, or what follows the part shared with `previous`.
+
+        The whole prompt is packed (and checked) once, by the event that stores it whole; a
+        reference event packs only the new tokens again.
+        """
+        whole = self._event(EventType.PROMPT_TOKENS, {"choice": None}, token_ids=token_ids)
+        packed = self._prompt = whole.token_bytes or b""
         previous = self.previous
         shared = 0 if previous is None else shared_prefix(packed, previous[1])
         if previous is None or shared < MIN_SHARED_TOKENS:
-            return self._event(EventType.PROMPT_TOKENS, {"choice": None}, token_ids=ids)
+            return whole
         payload = {
             "choice": None,
             "prefix": {"request_id": previous[0], "n_tokens": shared},
-            "n_tokens": len(ids),
+            "n_tokens": len(token_ids),
         }
-        return self._event(EventType.PROMPT_TOKENS, payload, token_ids=ids[shared:])
+        new = np.frombuffer(packed, TOKEN_DTYPE)[shared:]
+        return self._event(EventType.PROMPT_TOKENS, payload, token_ids=new)
 
     def _event(
         self,
