@@ -97,6 +97,7 @@ class TurnRecord:
     latency_s: float | None = None
     ttft_s: float | None = None
     first_position: int = 0
+    received_at: float | None = None  # the proxy's clock when the request arrived
 
     @property
     def constrained_by(self) -> str | None:
@@ -241,6 +242,7 @@ def rebuild_session(
     joined as stored bytes and decoded once per choice: the projector folds every session.
     With `packed`, token ids and logprobs stay as stored (little-endian int32 and float32
     bytes) instead of lists: what `store.samples` works on, without a Python object per token.
+    Turns come in the order their requests arrived (`_in_request_order`).
     """
     session = SessionRecord(session_id, n_events=len(events))
     turns: dict[str, TurnRecord] = {}
@@ -279,6 +281,7 @@ def rebuild_session(
                 stream=bool(payload.get("stream")),
                 sampling=payload.get("sampling") or {},
                 first_position=event.position,
+                received_at=payload.get("received_at"),
             )
             turns[stream] = turn
             session.turns.append(turn)
@@ -320,6 +323,7 @@ def rebuild_session(
         elif kind == _DISCARDED:
             session.discarded = event.payload.get("reason") or "discarded"
         # else: a newer event type; a reader of today ignores what it does not know
+    _in_request_order(session.turns)
     _resolve_prefixes(references, prompts, chunks, turns)
     for stream, prompt in prompts.items():
         turns[stream].prompt_token_ids = (
@@ -328,6 +332,19 @@ def rebuild_session(
     for pending in chunks.values():
         pending.close(packed)
     return session
+
+
+def _in_request_order(turns: list[TurnRecord]) -> None:
+    """Sort turns by when their requests arrived, where the log's order is not that.
+
+    Each proxy replica commits through its own batched writer, so when a session's turns go to
+    several replicas, turn k+1 can commit before turn k (turn k's replica was still lingering
+    over its batch). The projection needs request order (turn k+1 extends turn k), which is the
+    order of `received_at`; the sort is stable, so the log's order stays wherever the clocks do
+    not say otherwise (one replica, or turns of an older log without the field).
+    """
+    if all(t.received_at is not None for t in turns):
+        turns.sort(key=lambda t: t.received_at or 0.0)
 
 
 def _resolve_prefixes(

@@ -14,6 +14,7 @@ import pytest
 
 from store import EventStore, EventType, NewEvent, StoreUnavailable, request_stream, session_stream
 from store.projection import Projector
+from store.sessions import rebuild_session
 
 
 async def record_session(
@@ -23,20 +24,27 @@ async def record_session(
     *,
     finish: str | None = "completed",
     reward: float | None = 1.0,
+    commit_order: list[int] | None = None,
 ) -> None:
-    """Append a session as the proxy records it: created, turns, reward, finished."""
+    """Append a session as the proxy records it: created, turns, reward, finished.
+
+    Turns arrive in the order given; `commit_order` appends them in another (as two proxy
+    replicas' writers may commit them).
+    """
 
     def event(kind: EventType, payload: dict[str, Any], **arrays: Any) -> NewEvent:
         return NewEvent(kind, session_id=session_id, run_id="run-1", payload=payload, **arrays)
 
     created = event(EventType.SESSION_CREATED, {"task_id": "t", "group_id": "g"})
     await store.append(session_stream(session_id), [created])
-    for n, (prompt, completion) in enumerate(turns):
+    for n in commit_order or range(len(turns)):
+        prompt, completion = turns[n]
         request_id = f"{session_id}-{n}"
+        received = {"request_id": request_id, "body": {}, "received_at": 1_800_000_000.0 + n}
         await store.append(
             request_stream(request_id),
             [
-                event(EventType.REQUEST_RECEIVED, {"request_id": request_id, "body": {}}),
+                event(EventType.REQUEST_RECEIVED, received),
                 event(EventType.PROMPT_TOKENS, {"choice": None}, token_ids=prompt),
                 event(
                     EventType.COMPLETION_CHUNK,
@@ -77,6 +85,22 @@ async def test_a_finished_session_becomes_a_token_exact_sample(store: EventStore
         1.0, "completed", 2, 4
     )  # fmt: skip
     assert row["is_final"] and row["divergence"] is None
+
+
+async def test_turns_committed_out_of_request_order_still_make_one_sample(
+    store: EventStore,
+) -> None:
+    # Two replicas served the session's turns; the second turn's replica committed first.
+    turns = [([1, 10], [20, 2]), ([1, 10, 20, 2, 30], [40, 2]), ([1, 10, 20, 2, 30, 40, 2], [5])]
+    await record_session(store, "s1", turns, commit_order=[1, 0, 2])
+    await Projector(store).run_once()
+    [row] = await samples_of(store)
+    assert np.frombuffer(row["token_ids"], "<i4").tolist() == [1, 10, 20, 2, 30, 40, 2, 5]
+    assert (row["n_turns"], row["divergence"]) == (3, None)
+    session = await store.read_session("s1")
+    assert [t.request_id for t in rebuild_session("s1", session).turns] == [
+        "s1-0", "s1-1", "s1-2"
+    ]  # fmt: skip
 
 
 async def test_unfinished_and_discarded_sessions_have_no_samples(store: EventStore) -> None:
