@@ -113,19 +113,19 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
         )
         secret = (settings.session_secret or settings.api_key or secrets.token_hex(32)).encode()
         public_url = (settings.public_url or f"http://{settings.host}:{settings.port}").rstrip("/")
+        registry = SessionRegistry(store, writer, secret, finish_timeout=settings.finish_timeout)
+        await registry.replicas.start()  # before serving: a finish elsewhere must reach us
         app.state.proxy = ProxyState(
             settings=settings,
             store=store,
-            registry=SessionRegistry(store, writer, secret),
+            registry=registry,
             forwarder=Forwarder(http, engines, writer, settings, metrics),
             engines=engines,
             metrics=metrics,
             public_url=public_url,
         )
         watchdog = asyncio.create_task(_watch_event_loop(metrics), name="loop-watchdog")
-        follower = asyncio.create_task(
-            app.state.proxy.registry.follow(), name="session-facts-follower"
-        )
+        follower = asyncio.create_task(registry.follow(), name="session-facts-follower")
         _dump_tasks_on_sigusr1()
         try:
             # Start-up objects frozen, young collections rarer: the collector's pauses were
@@ -141,6 +141,7 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
             try:
                 await writer.close()  # everything recorded is made durable before we exit
             finally:
+                await registry.replicas.close()  # listened until now: a finish may need us
                 await http.close()
                 await store.close()
 

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.errors import BadRequest, Conflict, NotFound
+from proxy.replicas import Replicas
 from store import (
     ConcurrencyError,
     EventStore,
@@ -122,15 +123,22 @@ class SessionRegistry:
     replicas may finish or discard a cached session: `follow()` tails those facts from the log
     (woken by their NOTIFY, polling as the truth) and updates the cache, so within moments every
     replica refuses model calls on a finished session. Facts that change a session (finish,
-    reward, discard) always read the session fresh from the log first.
+    reward, discard) always read the session fresh from the log first. A finish waits until
+    every replica that served the session has its events durable (`proxy.replicas`); start
+    `replicas` before serving.
     """
 
-    def __init__(self, store: EventStore, writer: EventWriter, secret: bytes) -> None:
+    def __init__(
+        self, store: EventStore, writer: EventWriter, secret: bytes, *, finish_timeout: float = 30.0
+    ) -> None:
         self.store = store
         self.writer = writer
         self._secret = secret
         self._sessions: dict[str, Session] = {}
         self._keys: dict[str, str] = {}
+        self.replicas = Replicas(
+            store, writer, served=self._sessions.__contains__, timeout=finish_timeout
+        )
 
     def key_for(self, session_id: str) -> str:
         """The API key of one session."""
@@ -239,13 +247,14 @@ class SessionRegistry:
         return session
 
     async def finish(self, session_id: str, request: Finish) -> Session:
-        """Make every event of the session durable, then record that it finished."""
+        """Make every event of the session durable, on every replica, then record that it
+        finished."""
         session = await self.get(session_id, fresh=True)
         if session.status != "active":
             if session.status == request.status:
                 return session  # a retried finish
             raise Conflict(f"session {session_id!r} already finished ({session.status})")
-        await self.writer.flush(session_id=session_id)
+        await self.replicas.flush_everywhere(session_id)
         await self._append(session, EventType.SESSION_FINISHED, request.model_dump())
         session.status = request.status
         return session

@@ -58,6 +58,13 @@ class ProxySettings(BaseSettings):
         "(a full batch and `finish` never wait for it).",
     )
 
+    finish_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds `finish` waits for the other replicas to store the session's events "
+        "before answering 503 (retry it).",
+    )
+
     @field_validator("engines", mode="before")
     @classmethod
     def _split_engines(cls, value: object) -> object:

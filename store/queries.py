@@ -234,3 +234,15 @@ SELECT session_id FROM (
 ) AS first_fact
 ORDER BY tx_id, position
 """
+
+# -- clients of the store ---------------------------------------------------------------------
+
+#: The application names of this database's connections that start with $1: how the proxy
+#: replicas find each other (`proxy.replicas`). pg_stat_activity shows every role's
+#: application_name, even to a role that may not see the rest of another's row.
+CLIENTS_NAMED = """
+SELECT DISTINCT application_name FROM pg_stat_activity
+WHERE datname = current_database() AND starts_with(application_name, $1)
+"""
+
+NOTIFY = "SELECT pg_notify($1, $2)"

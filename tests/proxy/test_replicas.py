@@ -1,0 +1,171 @@
+"""Several proxy replicas serving one session: references, finish as a barrier on every replica,
+turns in request order (real uvicorn-served proxies, real PostgreSQL, a fake engine)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+from openai import AsyncOpenAI
+
+from proxy.settings import ProxySettings
+from store import EventStore, EventType
+from store.connection import connect
+from store.projection import Projector
+from tests.conftest import free_port
+from tests.proxy.fake_engine import FakeEngine, chat_prompt_ids
+from tests.proxy.fixtures import ProxyFactory, RunningProxy, serve_proxy
+
+EventsOf = Callable[[str], Awaitable[list[Any]]]
+
+
+def agent_on(proxy: RunningProxy, session: dict[str, Any], created_on: RunningProxy) -> AsyncOpenAI:
+    """The session's agent, sending its model calls to `proxy`."""
+    return proxy.agent(
+        {**session, "base_url": session["base_url"].replace(created_on.url, proxy.url)}
+    )
+
+
+async def converse(agents: list[AsyncOpenAI], turns: int) -> list[dict[str, Any]]:
+    """`turns` model calls of one growing conversation, the n-th through `agents[n % len]`."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": " ".join(["w"] * 30)}]
+    for n in range(turns):
+        answer = await agents[n % len(agents)].chat.completions.create(
+            model="tiny",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=6,
+        )
+        messages += [
+            {"role": "assistant", "content": answer.choices[0].message.content or ""},
+            {"role": "user", "content": f"result {n}"},
+        ]
+    return messages
+
+
+async def finish(proxy: RunningProxy, session_id: str) -> Any:
+    return await proxy.http.post(
+        f"{proxy.url}/sessions/{session_id}/finish", json={"status": "completed"}
+    )
+
+
+def in_log_order(events: list[Any]) -> list[Any]:
+    return sorted(events, key=lambda e: (e.tx_id, e.position))
+
+
+async def test_turns_alternating_between_replicas_reference_what_each_replica_saw(
+    start_proxy: ProxyFactory, engine: FakeEngine, events_of: EventsOf
+) -> None:
+    # Each replica remembers only the turns it served, so a turn references an older turn of
+    # the session (two turns back), and the whole prompt must still come out exact.
+    a = await start_proxy([engine.url], session_secret="shared")
+    b = await start_proxy([engine.url], session_secret="shared")
+    session = await a.new_session()
+    messages = await converse([a.agent(session), agent_on(b, session, a)], 4)
+    assert (await finish(a, session["session_id"])).status_code == 200
+
+    record = (await a.http.get(f"{a.url}/sessions/{session['session_id']}")).json()
+    turns = record["turns"]
+    assert [(len(t["messages"]) - 1) // 2 for t in turns] == [0, 1, 2, 3]  # request order
+    for n, turn in enumerate(turns):
+        assert turn["prompt_token_ids"] == chat_prompt_ids(messages[: 1 + 2 * n])
+    events = await events_of(session["session_id"])
+    prefix = {
+        e.stream_id: e.payload.get("prefix") for e in events if e.type == EventType.PROMPT_TOKENS
+    }
+    referenced = [prefix[f"request-{turns[n]['request_id']}"] for n in range(4)]
+    assert referenced[0] is None and referenced[1] is None  # b had seen nothing of it yet
+    assert referenced[2]["request_id"] == turns[0]["request_id"]  # a's own last turn
+    assert referenced[3]["request_id"] == turns[1]["request_id"]  # b's own last turn
+
+
+async def test_finish_on_one_replica_waits_for_the_turns_another_replica_still_holds(
+    start_proxy: ProxyFactory, engine: FakeEngine, events_of: EventsOf, database_url: str
+) -> None:
+    a = await start_proxy([engine.url], session_secret="shared")
+    # b lingers 5 s over a batch: its turns are not in the log when the agent finishes on a.
+    b = await start_proxy([engine.url], session_secret="shared", writer_linger=5)
+    session = await a.new_session()
+    sid = session["session_id"]
+    await converse([a.agent(session), agent_on(b, session, a)], 4)
+    assert (await finish(a, sid)).status_code == 200
+
+    # finish answered: every turn, b's included, is in the log before session_finished.
+    events = in_log_order(await events_of(sid))
+    assert events[-1].type == EventType.SESSION_FINISHED
+    assert sum(e.type == EventType.COMPLETION_FINISHED for e in events) == 4
+    # So the projector, which builds a session when it finishes, sees all four turns.
+    store = await EventStore.open(database_url)
+    try:
+        await Projector(store).run_once()
+        rows = await store.pool.fetch("SELECT n_turns, divergence FROM samples")
+    finally:
+        await store.close()
+    assert [(r["n_turns"], r["divergence"]) for r in rows] == [(4, None)]
+
+
+async def test_turns_a_slower_replica_commits_later_are_still_one_sample_in_request_order(
+    start_proxy: ProxyFactory, engine: FakeEngine, events_of: EventsOf, database_url: str
+) -> None:
+    slow = await start_proxy([engine.url], session_secret="shared", writer_linger=5)
+    fast = await start_proxy([engine.url], session_secret="shared")
+    session = await fast.new_session()
+    sid = session["session_id"]
+    messages = await converse([agent_on(slow, session, fast), fast.agent(session)], 2)
+    for _ in range(100):  # the fast replica commits turn 1 while turn 0 lingers on the slow one
+        if any(e.type == EventType.COMPLETION_FINISHED for e in await events_of(sid)):
+            break
+        await asyncio.sleep(0.02)
+    assert (await finish(fast, sid)).status_code == 200
+
+    received = [e for e in in_log_order(await events_of(sid)) if e.type == "request_received"]
+    assert [len(e.payload["body"]["messages"]) for e in received] == [3, 1]  # committed 1, 0
+    record = (await fast.http.get(f"{fast.url}/sessions/{sid}")).json()
+    assert [len(t["messages"]) for t in record["turns"]] == [1, 3]  # shown in request order
+    store = await EventStore.open(database_url)
+    try:
+        await Projector(store).run_once()
+        [row] = await store.pool.fetch("SELECT token_ids, n_turns, divergence FROM samples")
+    finally:
+        await store.close()
+    assert (row["n_turns"], row["divergence"]) == (2, None)
+    tokens = np.frombuffer(row["token_ids"], "<i4").tolist()
+    assert tokens[: len(chat_prompt_ids(messages[:3]))] == chat_prompt_ids(messages[:3])
+
+
+async def test_a_replica_that_does_not_confirm_fails_the_finish_with_503_until_it_leaves(
+    start_proxy: ProxyFactory, engine: FakeEngine, database_url: str
+) -> None:
+    proxy = await start_proxy([engine.url], finish_timeout=1)
+    session = await proxy.new_session()
+    sid = session["session_id"]
+    await converse([proxy.agent(session)], 1)
+    # A replica that is connected (so it may hold the session's events) but never answers.
+    silent = await connect(database_url, application_name="trajstore-proxy:silent")
+    try:
+        refused = await finish(proxy, sid)
+        assert refused.status_code == 503
+        assert refused.headers["Retry-After"] == "1"
+        message = refused.json()["error"]["message"]
+        assert "replica(s) silent did not confirm within 1s" in message and "retry" in message
+        record = (await proxy.http.get(f"{proxy.url}/sessions/{sid}")).json()
+        assert record["status"] == "active"  # not finished: nothing was decided without it
+    finally:
+        await silent.close()
+    assert (await finish(proxy, sid)).status_code == 200  # it left: nothing to wait for
+
+
+async def test_a_replica_that_stopped_is_not_waited_for(
+    start_proxy: ProxyFactory, engine: FakeEngine, database_url: str, events_of: EventsOf
+) -> None:
+    a = await start_proxy([engine.url], session_secret="shared", finish_timeout=5)
+    session = await a.new_session()
+    settings = ProxySettings(engines=[engine.url], port=free_port(), session_secret="shared")
+    async with serve_proxy(settings, database_url) as b:
+        await converse([a.agent(session), agent_on(b, session, a)], 2)
+    # b stopped (storing what it held first); a finish does not wait the 5 s for it.
+    finished = await finish(a, session["session_id"])
+    assert finished.status_code == 200, finished.text
+    events = await events_of(session["session_id"])
+    assert sum(e.type == EventType.COMPLETION_FINISHED for e in events) == 2
