@@ -104,16 +104,17 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
             max_in_flight=settings.max_in_flight,
         )
         await engines.start(http)
+        secret = (settings.session_secret or settings.api_key or secrets.token_hex(32)).encode()
+        public_url = (settings.public_url or f"http://{settings.host}:{settings.port}").rstrip("/")
+        registry = SessionRegistry(store, writer, secret, finish_timeout=settings.finish_timeout)
         metrics = ProxyMetrics()
         metrics.watch(
             pending=lambda: writer.pending,
             lag=lambda: writer.lag,
             failed=lambda: writer.stats.events_failed,
             healthy=lambda: sum(e.healthy for e in engines.engines),
+            sessions=lambda: registry.cached,
         )
-        secret = (settings.session_secret or settings.api_key or secrets.token_hex(32)).encode()
-        public_url = (settings.public_url or f"http://{settings.host}:{settings.port}").rstrip("/")
-        registry = SessionRegistry(store, writer, secret, finish_timeout=settings.finish_timeout)
         await registry.replicas.start()  # before serving: a finish elsewhere must reach us
         app.state.proxy = ProxyState(
             settings=settings,

@@ -44,6 +44,9 @@ class ProxyMetrics:
         self.engines_healthy = Gauge(
             "trajstore_engines_healthy", "Engines passing their health check", registry=r
         )
+        self.sessions_cached = Gauge(
+            "trajstore_sessions_cached", "Sessions this replica holds in memory", registry=r
+        )
         self.loop_lag = Gauge(
             "trajstore_event_loop_lag_seconds", "Latest event-loop delay observed", registry=r
         )
@@ -55,8 +58,10 @@ class ProxyMetrics:
         lag: Callable[[], float],
         failed: Callable[[], float],
         healthy: Callable[[], float],
+        sessions: Callable[[], float],
     ) -> None:
         """Read the live gauges from their sources at scrape time."""
+        self.sessions_cached.set_function(sessions)
         self.writer_pending.set_function(pending)
         self.writer_lag.set_function(lag)
         self.writer_failed.set_function(failed)

@@ -8,6 +8,7 @@ any replica sharing the secret can check it without a lookup, and no key is ever
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -112,6 +113,10 @@ class Session:
 
 log = logging.getLogger(__name__)
 
+#: Sessions a replica keeps in memory, the least recently used forgotten first (and read from
+#: the log again when next needed): 100,000 take about 100 MB here.
+MAX_CACHED_SESSIONS = 100_000
+
 #: Facts of other replicas that change whether a cached session takes model calls.
 _FOLLOWED = [EventType.SESSION_FINISHED.value, EventType.SESSION_DISCARDED.value]
 
@@ -129,12 +134,22 @@ class SessionRegistry:
     """
 
     def __init__(
-        self, store: EventStore, writer: EventWriter, secret: bytes, *, finish_timeout: float = 30.0
+        self,
+        store: EventStore,
+        writer: EventWriter,
+        secret: bytes,
+        *,
+        finish_timeout: float = 30.0,
+        max_cached: int = MAX_CACHED_SESSIONS,
     ) -> None:
         self.store = store
         self.writer = writer
         self._secret = secret
-        self._sessions: dict[str, Session] = {}
+        # Least recently used first. A session forgotten here is one this replica has not
+        # served for a long while: its events left the writer long ago, so a finish elsewhere
+        # need not wait for us (`Replicas.served`).
+        self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
+        self._max_cached = max_cached
         self._keys: dict[str, str] = {}
         self.replicas = Replicas(
             store, writer, served=self._sessions.__contains__, timeout=finish_timeout
@@ -182,7 +197,7 @@ class SessionRegistry:
                 await self.store.append(
                     session_stream(session_id), [event], expected_version=ExpectedVersion.NO_STREAM
                 )
-                self._sessions[session_id] = wanted
+                self._remember(wanted)
                 return wanted, True
             except ConcurrencyError:
                 existing = await self._load(session_id)  # created by a racing replica
@@ -198,10 +213,23 @@ class SessionRegistry:
         """The session, from this replica's cache (unless `fresh`) or the log; `NotFound` if
         there is none."""
         session = None if fresh else self._sessions.get(session_id)
+        if session is not None:
+            self._sessions.move_to_end(session_id)
         session = session or await self._load(session_id)
         if session is None:
             raise NotFound(f"no session {session_id!r}; create it with POST /sessions")
         return session
+
+    @property
+    def cached(self) -> int:
+        """How many sessions this replica holds in memory."""
+        return len(self._sessions)
+
+    def _remember(self, session: Session) -> None:
+        self._sessions[session.session_id] = session
+        self._sessions.move_to_end(session.session_id)
+        if len(self._sessions) > self._max_cached:
+            self._sessions.popitem(last=False)
 
     async def follow(self, poll_interval: float = 1.0) -> None:
         """Keep cached sessions in step with finishes and discards made by other replicas."""
@@ -298,5 +326,5 @@ class SessionRegistry:
             status=record.status,
             discarded=record.discarded,
         )
-        self._sessions[session_id] = session
+        self._remember(session)
         return session

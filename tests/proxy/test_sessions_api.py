@@ -8,7 +8,8 @@ from typing import Any
 import openai
 import pytest
 
-from store import EventType
+from proxy.sessions import CreateSession, Finish, SessionRegistry
+from store import EventStore, EventType
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
 
@@ -152,6 +153,7 @@ async def test_health_metrics_and_policy_versions(proxy: RunningProxy, engine: F
     metrics = (await proxy.http.get(f"{proxy.url}/metrics")).text
     assert 'trajstore_requests_total{api="chat",status="200"} 1.0' in metrics
     assert "trajstore_writer_pending_events" in metrics
+    assert "trajstore_sessions_cached 1.0" in metrics
     assert "trajstore_time_to_first_token_seconds_bucket" in metrics
     models = await proxy.agent(session).models.list()
     assert [m.id for m in models.data] == ["tiny"]
@@ -199,3 +201,23 @@ async def test_a_session_finished_on_one_replica_is_closed_on_the_others(
     assert discarded.status_code == 200
     record = (await b.http.get(f"{b.url}/sessions/{sid}")).json()
     assert (record["status"], record["discarded"]) == ("completed", "leak")
+
+
+async def test_a_replica_keeps_a_bounded_number_of_sessions_and_reads_forgotten_ones_again(
+    store: EventStore,
+) -> None:
+    writer = store.writer()
+    await writer.start()
+    try:
+        registry = SessionRegistry(store, writer, b"secret", max_cached=2)
+        for name in ("a", "b", "c"):
+            await registry.create(CreateSession(run_id="r", task_id=f"task-{name}"), name)
+        assert registry.cached == 2  # "a", the least recently used, was forgotten
+        await registry.get("b")  # now "c" is the least recently used
+        forgotten = await registry.get("a")  # read from the log again, whole
+        assert (forgotten.run_id, forgotten.task_id, forgotten.status) == ("r", "task-a", "active")
+        assert registry.cached == 2
+        await registry.finish("c", Finish(status="completed"))  # "c" was forgotten too
+        assert (await registry.get("c")).status == "completed"
+    finally:
+        await writer.close()
