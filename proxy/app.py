@@ -46,6 +46,7 @@ from proxy.errors import (
 from proxy.forwarding import Forwarder
 from proxy.metrics import ProxyMetrics
 from proxy.model_calls import BodyLimit, ModelCalls
+from proxy.replicas import connection_name, new_replica_id
 from proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
 from proxy.settings import ProxySettings
 from store import EventStore, StoreError
@@ -90,8 +91,11 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = await EventStore.open(database_url)
+        replica_id = new_replica_id()  # names its connections: how replicas find each other
         writer = store.writer(
-            max_pending=settings.writer_max_pending, flush_interval=settings.writer_linger
+            max_pending=settings.writer_max_pending,
+            flush_interval=settings.writer_linger,
+            application_name=connection_name(replica_id, "writer"),
         )
         await writer.start()
         http = aiohttp.ClientSession(
@@ -106,7 +110,9 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
         await engines.start(http)
         secret = (settings.session_secret or settings.api_key or secrets.token_hex(32)).encode()
         public_url = (settings.public_url or f"http://{settings.host}:{settings.port}").rstrip("/")
-        registry = SessionRegistry(store, writer, secret, finish_timeout=settings.finish_timeout)
+        registry = SessionRegistry(
+            store, writer, secret, replica_id=replica_id, finish_timeout=settings.finish_timeout
+        )
         metrics = ProxyMetrics()
         metrics.watch(
             pending=lambda: writer.pending,

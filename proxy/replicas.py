@@ -9,20 +9,22 @@ without it. So the finishing replica asks every live replica to flush, and waits
 
     finishing replica                        PostgreSQL                       each other replica
     flush its own writer
-    who is live? ───────────────────▶ pg_stat_activity: one LISTEN connection
-                                      per replica, named trajstore-proxy:<id>
+    who is live? ───────────────────▶ pg_stat_activity: each replica's LISTEN and
+                                      writer connections, trajstore-proxy:<id>:<role>
     NOTIFY trajstore_flush {token, session, from} ───────────────▶ flush its writer, if it has
                                                                    served the session
               ◀──────────────────────────────── NOTIFY trajstore_flushed {token, replica, error}
     every live replica answered: append session_finished
 
 Why this shape:
-- Membership needs no table and no heartbeats: a replica is live while its LISTEN connection is,
-  and PostgreSQL lists that connection in pg_stat_activity. A replica opens it before it serves
-  anything, so a replica that connects after the finish asked cannot hold a turn of the session.
+- Membership needs no table and no heartbeats: a replica is live while its LISTEN connection or
+  its writer's connection is (the one that would commit what it holds), and PostgreSQL lists
+  them in pg_stat_activity. A replica opens both before it serves anything, so one that connects
+  after the finish asked cannot hold a turn of the session.
 - Notifications can be lost (a listener reconnecting, a connection opened but not yet
   listening), so the request goes out again every `resend` seconds to the replicas that have not
-  answered; flushing twice is harmless.
+  answered; flushing twice is harmless. A replica whose LISTEN connection dropped is still
+  waited for while its writer is connected, and answers once it listens again.
 - A replica that leaves pg_stat_activity while we wait (stopped, crashed, cut off) is not waited
   for: what its writer still held is lost with it, or commits once it is back, as with a single
   replica. One that stays and does not answer within `timeout` fails the finish with 503
@@ -50,12 +52,22 @@ from store.connection import RETRYABLE_ERRORS, close_quietly, connect, unavailab
 
 log = logging.getLogger(__name__)
 
-#: A replica's LISTEN connection is named this plus the replica's id.
+#: A replica's connections are named this, its id, ":" and their role (`connection_name`).
 APPLICATION_PREFIX = "trajstore-proxy:"
 #: Requests to flush a session: {token, session, from}.
 FLUSH_CHANNEL = "trajstore_flush"
 #: Answers: {token, replica, error}; error is null when the session's events are durable.
 FLUSHED_CHANNEL = "trajstore_flushed"
+
+
+def new_replica_id() -> str:
+    """A fresh id for a proxy process: 48 random bits, as hex."""
+    return secrets.token_hex(6)
+
+
+def connection_name(replica_id: str, role: str) -> str:
+    """What one of a replica's connections is called in pg_stat_activity."""
+    return f"{APPLICATION_PREFIX}{replica_id}:{role}"
 
 
 @dataclass
@@ -69,6 +81,7 @@ class _Waiting:
 class Replicas:
     """This replica among those serving the same store (see the module docstring).
 
+    `writer` is this replica's, its connection named `connection_name(replica_id, "writer")`.
     `served(session_id)` tells whether this replica may hold events of a session (it has served
     it); the others answer a flush request at once. `timeout`: how long `flush_everywhere` waits
     for the other replicas; `resend`: how often it asks again, and how often a lost LISTEN
@@ -81,15 +94,16 @@ class Replicas:
         writer: EventWriter,
         served: Callable[[str], bool],
         *,
+        replica_id: str,
         timeout: float = 30.0,
         resend: float = 1.0,
     ) -> None:
         self.store = store
         self.writer = writer
         self.served = served
+        self.id = replica_id
         self.timeout = timeout
         self.resend = resend
-        self.id = secrets.token_hex(6)
         self._waiting: dict[str, _Waiting] = {}
         self._listener: asyncpg.Connection | None = None
         self._keeper: asyncio.Task[None] | None = None
@@ -158,15 +172,15 @@ class Replicas:
     async def _live_peers(self) -> set[str]:
         async with unavailable_as_store_error():
             rows = await self.store.pool.fetch(queries.CLIENTS_NAMED, APPLICATION_PREFIX)
-        live = {row["application_name"].removeprefix(APPLICATION_PREFIX) for row in rows}
-        return live - {self.id}
+        names = (row["application_name"].removeprefix(APPLICATION_PREFIX) for row in rows)
+        return {name.partition(":")[0] for name in names} - {self.id}
 
     async def _notify(self, channel: str, payload: str) -> None:
         async with unavailable_as_store_error():
             await self.store.pool.execute(queries.NOTIFY, channel, payload)
 
     async def _listen(self) -> None:
-        conn = await connect(self.store.url, application_name=APPLICATION_PREFIX + self.id)
+        conn = await connect(self.store.url, application_name=connection_name(self.id, "listener"))
         try:
             await conn.add_listener(FLUSH_CHANNEL, self._on_request)
             await conn.add_listener(FLUSHED_CHANNEL, self._on_answer)

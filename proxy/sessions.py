@@ -129,8 +129,8 @@ class SessionRegistry:
     (woken by their NOTIFY, polling as the truth) and updates the cache, so within moments every
     replica refuses model calls on a finished session. Facts that change a session (finish,
     reward, discard) always read the session fresh from the log first. A finish waits until
-    every replica that served the session has its events durable (`proxy.replicas`); start
-    `replicas` before serving.
+    every replica that served the session has its events durable (`proxy.replicas`: `writer`
+    is this replica's `replica_id`'s); start `replicas` before serving.
     """
 
     def __init__(
@@ -139,6 +139,7 @@ class SessionRegistry:
         writer: EventWriter,
         secret: bytes,
         *,
+        replica_id: str,
         finish_timeout: float = 30.0,
         max_cached: int = MAX_CACHED_SESSIONS,
     ) -> None:
@@ -152,7 +153,11 @@ class SessionRegistry:
         self._max_cached = max_cached
         self._keys: dict[str, str] = {}
         self.replicas = Replicas(
-            store, writer, served=self._sessions.__contains__, timeout=finish_timeout
+            store,
+            writer,
+            served=self._sessions.__contains__,
+            replica_id=replica_id,
+            timeout=finish_timeout,
         )
 
     def key_for(self, session_id: str) -> str:

@@ -103,8 +103,10 @@ class EventWriter:
         flush_interval: float = 0.005,
         retry_timeout: float = 30.0,
         admit_fraction: float = 0.5,
+        application_name: str = APPLICATION_NAME,
     ) -> None:
         self.url = url
+        self.application_name = application_name  # its connection's, in pg_stat_activity
         self.max_pending = max_pending
         self.batch_size = batch_size
         self.flush_interval = flush_interval
@@ -131,7 +133,7 @@ class EventWriter:
     async def start(self) -> EventWriter:
         """Start the background task (and check the database is reachable)."""
         if self._task is None:
-            self._conn = await connect(self.url, application_name=APPLICATION_NAME)
+            self._conn = await connect(self.url, application_name=self.application_name)
             self._task = asyncio.create_task(self._run(), name="trajstore-event-writer")
         return self
 
@@ -357,7 +359,7 @@ class EventWriter:
 
     async def _connection(self) -> asyncpg.Connection:
         if self._conn is None or self._conn.is_closed():
-            self._conn = await connect(self.url, application_name=APPLICATION_NAME)
+            self._conn = await connect(self.url, application_name=self.application_name)
             self.stats.reconnects += 1
         return self._conn
 

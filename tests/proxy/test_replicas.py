@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 from openai import AsyncOpenAI
 
+from proxy.replicas import connection_name
 from proxy.settings import ProxySettings
 from store import EventStore, EventType
 from store.connection import connect
@@ -134,6 +135,32 @@ async def test_turns_a_slower_replica_commits_later_are_still_one_sample_in_requ
     assert tokens[: len(chat_prompt_ids(messages[:3]))] == chat_prompt_ids(messages[:3])
 
 
+async def test_a_replica_whose_listen_connection_dropped_is_still_waited_for(
+    start_proxy: ProxyFactory, engine: FakeEngine, events_of: EventsOf, database_url: str
+) -> None:
+    a = await start_proxy([engine.url], session_secret="shared")
+    b = await start_proxy([engine.url], session_secret="shared", writer_linger=5)
+    session = await a.new_session()
+    sid = session["session_id"]
+    await converse([a.agent(session), agent_on(b, session, a)], 2)
+    # b's LISTEN connection goes (an idle timeout somewhere, say); its writer, holding b's turn
+    # for 5 s, stays connected, so b is still live, and answers once it listens again.
+    conn = await connect(database_url)
+    try:
+        dropped = await conn.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name = $1",
+            connection_name(b.app.state.proxy.registry.replicas.id, "listener"),
+        )
+    finally:
+        await conn.close()
+    assert dropped == 1
+    assert (await finish(a, sid)).status_code == 200
+    events = in_log_order(await events_of(sid))
+    assert events[-1].type == EventType.SESSION_FINISHED
+    assert sum(e.type == EventType.COMPLETION_FINISHED for e in events) == 2
+
+
 async def test_a_replica_that_does_not_confirm_fails_the_finish_with_503_until_it_leaves(
     start_proxy: ProxyFactory, engine: FakeEngine, database_url: str
 ) -> None:
@@ -142,7 +169,7 @@ async def test_a_replica_that_does_not_confirm_fails_the_finish_with_503_until_i
     sid = session["session_id"]
     await converse([proxy.agent(session)], 1)
     # A replica that is connected (so it may hold the session's events) but never answers.
-    silent = await connect(database_url, application_name="trajstore-proxy:silent")
+    silent = await connect(database_url, application_name="trajstore-proxy:silent:listener")
     try:
         refused = await finish(proxy, sid)
         assert refused.status_code == 503

@@ -8,6 +8,7 @@ from typing import Any
 import openai
 import pytest
 
+from proxy.replicas import new_replica_id
 from proxy.sessions import CreateSession, Finish, SessionRegistry
 from store import EventStore, EventType
 from tests.proxy.fake_engine import FakeEngine
@@ -209,7 +210,9 @@ async def test_a_replica_keeps_a_bounded_number_of_sessions_and_reads_forgotten_
     writer = store.writer()
     await writer.start()
     try:
-        registry = SessionRegistry(store, writer, b"secret", max_cached=2)
+        registry = SessionRegistry(
+            store, writer, b"secret", replica_id=new_replica_id(), max_cached=2
+        )
         for name in ("a", "b", "c"):
             await registry.create(CreateSession(run_id="r", task_id=f"task-{name}"), name)
         assert registry.cached == 2  # "a", the least recently used, was forgotten
