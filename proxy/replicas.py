@@ -190,7 +190,8 @@ class Replicas:
         self._listener = conn
 
     async def _keep_listening(self) -> None:
-        """Reopen the LISTEN connection when it is lost (meanwhile, no finish waits for us)."""
+        """Reopen the LISTEN connection when it is lost (meanwhile a finish elsewhere waits for
+        us while our writer is connected, asking again until we answer)."""
         while True:
             await asyncio.sleep(self.resend)
             if self._listener is not None and not self._listener.is_closed():
