@@ -5,8 +5,9 @@
 Records multi-turn sessions as the proxy does (each turn's prompt extends the previous turn's
 prompt and completion by a tool result, so every session is one sample, and is stored as a
 reference to that turn plus the new tokens; each request's body holds the conversation so far
-as text, about four characters per token; completion chunks of 16 tokens with float32
-logprobs), a reward and a finish each, in one of two shapes:
+as text, about four characters per token, stored as a reference to the previous request's
+messages plus the new ones; completion chunks of 16 tokens with float32 logprobs), a reward and
+a finish each, in one of two shapes:
 
 - short: 4 turns, a 256-token first prompt, 64-token completions, 32-token tool results, 1,000
   sessions: small events, so the per-event and per-session costs decide;
@@ -96,6 +97,29 @@ def prompt_event(
     return event(EventType.PROMPT_TOKENS, payload=payload, token_ids=prompt[shared:])
 
 
+def received_event(
+    event: functools.partial[NewEvent],
+    request_id: str,
+    messages: list[dict[str, str]],
+    previous: tuple[str, int] | None,
+    sent: int,
+) -> NewEvent:
+    """A request as the proxy stores it: its body whole on the first turn, then with only the
+    messages after the previous request's and a reference to those (`store.sessions`)."""
+    payload: dict[str, object] = {
+        "request_id": request_id,
+        "api": "chat",
+        "body": {"model": "m", "messages": messages[sent:], "temperature": 1.0},
+        "sampling": {"model": "m", "temperature": 1.0},
+        "engine": "http://engine",
+        "policy_version": "0",
+        "stream": True,
+    }
+    if previous is not None:
+        payload["messages_prefix"] = {"request_id": previous[0], "n_messages": sent}
+    return event(EventType.REQUEST_RECEIVED, payload=payload)
+
+
 async def record(url: str, shape: Shape) -> int:
     """Write the sessions; return how many prompt + completion tokens their events hold."""
     rng = np.random.default_rng(0)
@@ -114,25 +138,16 @@ async def record(url: str, shape: Shape) -> int:
             prompt = rng.integers(5, 150_000, shape.first_prompt, dtype=np.int32)
             previous: tuple[str, int] | None = None
             messages = [{"role": "system", "content": text(rng, shape.first_prompt)}]
+            sent = 0  # messages the previous request sent
             for t in range(shape.turns):
                 completion = rng.integers(5, 150_000, shape.completion, dtype=np.int32)
                 answer = text(rng, shape.completion)
                 request_id = f"{session}-{t}"
                 events = [
-                    event(
-                        EventType.REQUEST_RECEIVED,
-                        payload={
-                            "request_id": request_id,
-                            "api": "chat",
-                            "body": {"model": "m", "messages": messages, "temperature": 1.0},
-                            "sampling": {"model": "m", "temperature": 1.0},
-                            "engine": "http://engine",
-                            "policy_version": "0",
-                            "stream": True,
-                        },
-                    ),
+                    received_event(event, request_id, messages, previous, sent),
                     prompt_event(event, prompt, previous),
                 ]
+                sent = len(messages)
                 for c in range(0, shape.completion, CHUNK):
                     events.append(
                         event(

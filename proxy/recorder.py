@@ -14,9 +14,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+import orjson
 
 from proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
 from store import BadEvent, EventType, EventWriter, NewEvent, request_stream
@@ -26,16 +27,22 @@ from store.tokens import TOKEN_DTYPE, shared_prefix
 #: many leading tokens with it (the prompt_tokens contract in `store.sessions`).
 MIN_SHARED_TOKENS = 16
 
-#: A session's last completed turn: its request id and its prompt + completion, packed.
-Context = tuple[str, bytes]
+
+class Context(NamedTuple):
+    """A session's last completed turn, as the next turn's events may reference it."""
+
+    request_id: str
+    tokens: bytes  #: its prompt + completion (choice 0), packed
+    n_messages: int = 0  #: how many messages it sent (chat)
+    messages: bytes = b""  #: those messages as JSON (orjson's), b"" when it sent none
 
 
 class PromptContexts:
-    """The last completed turn of each session this replica served, so that the next prompt
-    can be stored as a reference to it plus its new tokens.
+    """The last completed turn of each session this replica served, so that the next turn's
+    prompt and messages can be stored as references to it plus what is new.
 
     Bounded: past `max_bytes`, the sessions whose last turn is oldest are forgotten (their next
-    prompt is then stored whole, as after a restart or on another replica: correct, only larger).
+    turn is then stored whole, as after a restart or on another replica: correct, only larger).
     """
 
     def __init__(self, max_bytes: int = 256 << 20) -> None:
@@ -47,16 +54,20 @@ class PromptContexts:
         """The session's last completed turn, if this replica remembers it."""
         return self._contexts.get(session_id)
 
-    def remember(self, session_id: str, request_id: str, tokens: bytes) -> None:
+    def remember(self, session_id: str, context: Context) -> None:
         """Record a completed turn (called once its events are queued, in log order)."""
         old = self._contexts.pop(session_id, None)
         if old is not None:
-            self._bytes -= len(old[1])
-        self._contexts[session_id] = (request_id, tokens)
-        self._bytes += len(tokens)
+            self._bytes -= _size(old)
+        self._contexts[session_id] = context
+        self._bytes += _size(context)
         while self._bytes > self.max_bytes and self._contexts:
-            _, (_, dropped) = self._contexts.popitem(last=False)
-            self._bytes -= len(dropped)
+            _, dropped = self._contexts.popitem(last=False)
+            self._bytes -= _size(dropped)
+
+
+def _size(context: Context) -> int:
+    return len(context.tokens) + len(context.messages)
 
 
 def _without_nul(value: Any) -> Any:
@@ -103,10 +114,10 @@ class RequestRecorder:
         request_id: str,
         chunk_tokens: int = 16,
         previous: Context | None = None,
-        on_completed: Callable[[str, bytes], None] | None = None,
+        on_completed: Callable[[Context], None] | None = None,
     ) -> None:
-        """`previous`: the session's last completed turn, which the prompt may reference;
-        `on_completed(request_id, tokens)`: told this turn's prompt + completion once finished."""
+        """`previous`: the session's last completed turn, which this turn's prompt and messages
+        may reference; `on_completed`: told this turn's `Context` once it finished."""
         self.writer = writer
         self.session_id = session_id
         self.run_id = run_id
@@ -125,6 +136,7 @@ class RequestRecorder:
         self.on_completed = on_completed
         self._prompt: bytes | None = None  # packed, whole
         self._completion: list[bytes] = []  # choice 0's recorded chunks, packed
+        self._messages: tuple[int, bytes] = (0, b"")  # chat: how many messages, as JSON
 
     def received_event(
         self,
@@ -137,21 +149,45 @@ class RequestRecorder:
         asked: Asked,
     ) -> NewEvent:
         """Build (and so validate) the request_received event, before anything is forwarded."""
-        return self._event(
-            EventType.REQUEST_RECEIVED,
-            {
-                "request_id": self.request_id,
-                "api": api,
-                "body": body,
-                "sampling": sampling_of(body),
-                "engine": engine,
-                "policy_version": policy_version,
-                "logprobs_mode": logprobs_mode,
-                "stream": bool(body.get("stream")),
-                "asked": asked.as_json(),
-                "received_at": time.time(),
-            },
-        )
+        payload = {
+            "request_id": self.request_id,
+            "api": api,
+            "body": body,
+            "sampling": sampling_of(body),
+            "engine": engine,
+            "policy_version": policy_version,
+            "logprobs_mode": logprobs_mode,
+            "stream": bool(body.get("stream")),
+            "asked": asked.as_json(),
+            "received_at": time.time(),
+        }
+        messages = body.get("messages")
+        if api == "chat" and isinstance(messages, list):
+            self._messages = (len(messages), orjson.dumps(messages))
+            shared = self._shared_messages()
+            if shared:
+                payload["body"] = {**body, "messages": messages[shared:]}
+                assert self.previous is not None
+                prefix = {"request_id": self.previous.request_id, "n_messages": shared}
+                payload["messages_prefix"] = prefix
+        return self._event(EventType.REQUEST_RECEIVED, payload)
+
+    def _shared_messages(self) -> int:
+        """How many leading messages this request shares with the previous turn's, when it
+        repeats all of them (then its body stores only the rest); else 0.
+
+        Compared as orjson's serialisation: `[A,B]` and `[A,B,C]` (or `[A,B]` again) agree up to
+        the former's closing bracket, where the latter has a comma (or the same bracket), and
+        JSON values delimit themselves, so the first messages are the same values.
+        """
+        previous = self.previous
+        if previous is None or previous.n_messages == 0:
+            return 0
+        before, now = previous.messages, self._messages[1]
+        cut = len(before) - 1
+        if now[cut : cut + 1] in (b",", b"]") and now.startswith(memoryview(before)[:cut]):
+            return previous.n_messages
+        return 0
 
     async def emit(self, event: NewEvent) -> None:
         """Queue one event of this request's stream."""
@@ -208,7 +244,8 @@ class RequestRecorder:
         # The next turn may reference this one: only a whole, single-choice turn (with n > 1 the
         # next prompt may continue any choice, and store.samples sorts that out).
         if self.on_completed is not None and self._prompt is not None and set(self._choices) == {0}:
-            self.on_completed(self.request_id, self._prompt + b"".join(self._completion))
+            tokens = self._prompt + b"".join(self._completion)
+            self.on_completed(Context(self.request_id, tokens, *self._messages))
 
     async def failed(self, reason: str, message: str, status: int | None = None) -> None:
         """Write what is buffered (partial tokens are kept) and the request_failed event."""
@@ -237,12 +274,12 @@ class RequestRecorder:
         whole = self._event(EventType.PROMPT_TOKENS, {"choice": None}, token_ids=token_ids)
         packed = self._prompt = whole.token_bytes or b""
         previous = self.previous
-        shared = 0 if previous is None else shared_prefix(packed, previous[1])
+        shared = 0 if previous is None else shared_prefix(packed, previous.tokens)
         if previous is None or shared < MIN_SHARED_TOKENS:
             return whole
         payload = {
             "choice": None,
-            "prefix": {"request_id": previous[0], "n_tokens": shared},
+            "prefix": {"request_id": previous.request_id, "n_tokens": shared},
             "n_tokens": len(token_ids),
         }
         new = np.frombuffer(packed, TOKEN_DTYPE)[shared:]

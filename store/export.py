@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from store import queries
 from store.events import request_stream
 from store.eventstore import EventStore
+from store.sessions import whole_messages
 
 FORMATS = ("parquet", "jsonl")
 
@@ -85,23 +86,36 @@ async def records(
 
 
 async def _conversations(store: EventStore, request_ids: list[str]) -> dict[str, Any]:
-    """request id -> its messages followed by the model's reply (or prompt and text)."""
+    """request id -> its whole messages followed by the model's reply (or prompt and text)."""
     streams = [request_stream(r) for r in request_ids]
-    messages: dict[str, Any] = {}
+    asked: dict[str, dict[str, Any]] = {}
+    replies: dict[str, dict[str, Any]] = {}
     for row in await store.pool.fetch(queries.READ_CONVERSATIONS, streams):
         payload = orjson.loads(row["payload"])
-        request_id = row["stream_id"].removeprefix("request-")
         if row["event_type"] == "request_received":
-            body = payload.get("body") or {}
-            messages[request_id] = list(body.get("messages") or [])
-            if "prompt" in body:  # the completions API: the prompt as a user turn
-                messages[request_id].append({"role": "user", "content": body["prompt"]})
-        elif request_id in messages:
-            choices = payload.get("choices") or [{}]
-            reply = choices[0].get("message")
+            asked[row["stream_id"]] = payload
+        else:
+            reply = (payload.get("choices") or [{}])[0].get("message")
             if reply is not None:
-                messages[request_id].append(reply)
-    return messages
+                replies[row["stream_id"]] = reply
+    whole = whole_messages(
+        {
+            s: ((p.get("body") or {}).get("messages"), p.get("messages_prefix"))
+            for s, p in asked.items()
+        }
+    )
+    conversations: dict[str, Any] = {}
+    for stream in streams:
+        if stream not in asked:
+            continue
+        body = asked[stream].get("body") or {}
+        messages = list(whole[stream] or [])
+        if "prompt" in body:  # the completions API: the prompt as a user turn
+            messages.append({"role": "user", "content": body["prompt"]})
+        if stream in replies:
+            messages.append(replies[stream])
+        conversations[stream.removeprefix("request-")] = messages
+    return conversations
 
 
 def _last_request(row: Any) -> str:

@@ -213,11 +213,23 @@ LIMIT $7
 """
 )
 
-#: What a sample's last request asked and how the model replied (request streams, by index).
+#: What a sample's last request asked and how the model replied (request streams), with the
+#: requests its messages continue (`messages_prefix`, followed back; UNION stops at a loop).
 READ_CONVERSATIONS = """
+WITH RECURSIVE asked (stream_id, payload) AS (
+    SELECT stream_id, payload FROM events
+    WHERE stream_id = ANY($1::text[]) AND event_type = 'request_received'
+    UNION
+    SELECT earlier.stream_id, earlier.payload
+    FROM asked
+    JOIN events earlier
+      ON earlier.stream_id = 'request-' || (asked.payload -> 'messages_prefix' ->> 'request_id')
+     AND earlier.event_type = 'request_received'
+)
+SELECT stream_id, 'request_received' AS event_type, payload FROM asked
+UNION ALL
 SELECT stream_id, event_type, payload FROM events
-WHERE stream_id = ANY($1::text[]) AND event_type IN ('request_received', 'completion_finished')
-ORDER BY stream_id, stream_version
+WHERE stream_id = ANY($1::text[]) AND event_type = 'completion_finished'
 """
 
 # -- time travel ----------------------------------------------------------------------------------

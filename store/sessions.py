@@ -12,7 +12,9 @@ A session's events live in two kinds of streams (see `store.events`):
 `request-<request_id>`, one per model call, in this order:
     request_received     {request_id, api: chat|completions, body, sampling, engine,
                           policy_version, logprobs_mode, stream, asked: {token_ids, logprobs,
-                          usage}, received_at}
+                          usage}, received_at}; or, when the request's messages continue an
+                          earlier turn's, also {messages_prefix: {request_id, n_messages}} and
+                          body.messages = the messages after the first n_messages (see below)
     prompt_tokens        token_ids = the prompt the engine saw; {choice: null}; or, when the
                          prompt continues an earlier turn of the session, {choice: null,
                          prefix: {request_id, n_tokens}, n_tokens} and token_ids = the prompt
@@ -32,10 +34,17 @@ are the first `n_tokens` of the referenced request's prompt followed by that req
 belongs to the same session and comes earlier in the log, so a reader folding the session in log
 order (`rebuild_session`) always has it. Without this, a session's events grow with the square of
 its turns, since every turn's prompt repeats the context before it.
+
+The request's messages work the same way: with `messages_prefix`, the whole list is the
+referenced request's whole messages (exactly `n_messages` of them) followed by `body.messages`.
+An agent re-sends its whole conversation every turn, so storing each body whole made the bodies
+most of an agent session's bytes. `rebuild_session`, the `turns` view and the export give whole
+messages.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -98,6 +107,7 @@ class TurnRecord:
     ttft_s: float | None = None
     first_position: int = 0
     received_at: float | None = None  # the proxy's clock when the request arrived
+    messages_prefix: dict[str, Any] | None = None  # body.messages continue that request's
 
     @property
     def constrained_by(self) -> str | None:
@@ -282,6 +292,7 @@ def rebuild_session(
                 sampling=payload.get("sampling") or {},
                 first_position=event.position,
                 received_at=payload.get("received_at"),
+                messages_prefix=payload.get("messages_prefix"),
             )
             turns[stream] = turn
             session.turns.append(turn)
@@ -324,6 +335,7 @@ def rebuild_session(
             session.discarded = event.payload.get("reason") or "discarded"
         # else: a newer event type; a reader of today ignores what it does not know
     _in_request_order(session.turns)
+    _resolve_messages(turns)
     _resolve_prefixes(references, prompts, chunks, turns)
     for stream, prompt in prompts.items():
         turns[stream].prompt_token_ids = (
@@ -345,6 +357,57 @@ def _in_request_order(turns: list[TurnRecord]) -> None:
     """
     if all(t.received_at is not None for t in turns):
         turns.sort(key=lambda t: t.received_at or 0.0)
+
+
+def whole_messages(
+    requests: Mapping[str, tuple[Any, Mapping[str, Any] | None]],
+) -> dict[str, list[Any] | None]:
+    """Each request's whole messages, from its stored `body.messages` and `messages_prefix`
+    (keyed by request stream; `rebuild_session` and the export use it).
+
+    None where a reference cannot be satisfied from `requests` (the referenced request is
+    missing, does not have exactly `n_messages` messages, or the chain loops back): messages are
+    for people, and no reader is shown a guess.
+    """
+    whole: dict[str, list[Any] | None] = {}
+
+    def resolve(stream: str, seen: frozenset[str]) -> list[Any] | None:
+        if stream not in whole:
+            messages, prefix = requests[stream]
+            if not isinstance(messages, list):
+                messages = None
+            elif prefix is not None:
+                source = request_stream(str(prefix.get("request_id")))
+                before = None
+                if source in requests and source not in seen:
+                    before = resolve(source, seen | {stream})
+                ok = before is not None and len(before) == prefix.get("n_messages")
+                messages = before + messages if ok and before is not None else None
+            whole[stream] = messages
+        return whole[stream]
+
+    for stream in requests:
+        resolve(stream, frozenset())
+    return whole
+
+
+def _resolve_messages(turns: dict[str, TurnRecord]) -> None:
+    """Make every referencing turn's `body.messages` whole; where that cannot be done, None, and
+    `body.messages_unresolved` says why (the turn's tokens are not affected)."""
+    referencing = {s: t for s, t in turns.items() if t.messages_prefix is not None}
+    if not referencing:
+        return
+    whole = whole_messages(
+        {s: (t.body.get("messages"), t.messages_prefix) for s, t in turns.items()}
+    )
+    for stream, turn in referencing.items():
+        turn.body = {**turn.body, "messages": whole[stream]}
+        if whole[stream] is None:
+            prefix = turn.messages_prefix or {}
+            turn.body["messages_unresolved"] = (
+                f"its messages continue the {prefix.get('n_messages')} of request "
+                f"{prefix.get('request_id')!r}, which this session's events do not hold"
+            )
 
 
 def _resolve_prefixes(

@@ -37,7 +37,36 @@ SELECT
     r.payload ->> 'engine' AS engine,
     r.payload ->> 'policy_version' AS policy_version,
     (r.payload ->> 'stream')::boolean AS stream,
-    r.payload -> 'body' -> 'messages' AS messages,
+    CASE WHEN r.payload ? 'messages_prefix' THEN (
+        -- Stored as a reference to an earlier turn's messages plus the new ones (the
+        -- request_received contract in store.sessions): follow the chain back to a turn stored
+        -- whole, and give the whole list only when the counts add up (never a guess).
+        WITH RECURSIVE chain (payload, depth) AS (
+            SELECT r.payload, 0
+            UNION ALL
+            SELECT earlier.payload, chain.depth + 1
+            FROM chain
+            JOIN events earlier
+              ON earlier.stream_id
+                 = 'request-' || (chain.payload -> 'messages_prefix' ->> 'request_id')
+             AND earlier.event_type = 'request_received'
+            WHERE chain.payload ? 'messages_prefix' AND chain.depth < 10000
+        )
+        SELECT CASE
+            WHEN count(*) FILTER (WHERE NOT chain.payload ? 'messages_prefix') = 1
+             AND sum(CASE WHEN jsonb_typeof(chain.payload -> 'body' -> 'messages') = 'array'
+                          THEN jsonb_array_length(chain.payload -> 'body' -> 'messages') END)
+                 = (r.payload -> 'messages_prefix' ->> 'n_messages')::int
+                   + jsonb_array_length(r.payload -> 'body' -> 'messages')
+            THEN (
+                SELECT jsonb_agg(m.value ORDER BY link.depth DESC, m.ordinality)
+                FROM chain AS link,
+                     jsonb_array_elements(link.payload -> 'body' -> 'messages')
+                         WITH ORDINALITY AS m
+            )
+        END
+        FROM chain
+    ) ELSE r.payload -> 'body' -> 'messages' END AS messages,
     r.payload -> 'body' -> 'tools' AS tools,
     r.payload -> 'sampling' AS sampling,
     CASE e.event_type

@@ -229,7 +229,7 @@ async def test_a_slow_stream_shares_few_transactions(
     assert len({e.tx_id for e in turn}) <= 2, "a request's events went in many transactions"
 
 
-async def test_a_prompt_that_continues_the_last_turn_is_stored_as_its_new_tokens(
+async def test_a_turn_that_continues_the_last_is_stored_as_its_new_tokens_and_messages(
     proxy: RunningProxy, events_of: Callable[[str], Awaitable[list[Any]]], database_url: str
 ) -> None:
     session = await proxy.new_session()
@@ -277,16 +277,29 @@ async def test_a_prompt_that_continues_the_last_turn_is_stored_as_its_new_tokens
         assert event.payload["n_tokens"] == len(prompt)
         assert event.token_ids.tolist() == prompt[so_far:]  # only the new tokens are stored
     assert len(unrelated.token_ids) == len(whole[3])
-    # SQL readers count whole prompts too.
+    # The messages too: each continuing request stores the messages after the last turn's.
+    sent = engine_messages(messages)
+    bodies = [e for e in events if e.type == EventType.REQUEST_RECEIVED]
+    assert "messages_prefix" not in bodies[0].payload
+    assert "messages_prefix" not in bodies[3].payload  # a new conversation: stored whole
+    for n in (1, 2):
+        assert bodies[n].payload["messages_prefix"] == {
+            "request_id": rebuilt[n - 1]["request_id"],
+            "n_messages": len(sent[n - 1]),
+        }
+        assert bodies[n].payload["body"]["messages"] == sent[n][len(sent[n - 1]) :]
+    assert [t["messages"] for t in rebuilt] == sent
+    # SQL readers count whole prompts and see whole messages.
     conn = await connect(database_url)
     try:
-        counts = await conn.fetch(
-            "SELECT prompt_tokens FROM turns WHERE session_id = $1 ORDER BY position",
+        rows = await conn.fetch(
+            "SELECT prompt_tokens, messages FROM turns WHERE session_id = $1 ORDER BY position",
             session["session_id"],
         )
     finally:
         await conn.close()
-    assert [r["prompt_tokens"] for r in counts] == list(map(len, whole))
+    assert [r["prompt_tokens"] for r in rows] == list(map(len, whole))
+    assert [orjson.loads(r["messages"]) for r in rows] == sent
 
 
 def engine_messages(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
