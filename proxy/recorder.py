@@ -164,17 +164,15 @@ class RequestRecorder:
         messages = body.get("messages")
         if api == "chat" and isinstance(messages, list):
             self._messages = (len(messages), orjson.dumps(messages))
-            shared = self._shared_messages()
-            if shared:
-                payload["body"] = {**body, "messages": messages[shared:]}
-                assert self.previous is not None
-                prefix = {"request_id": self.previous.request_id, "n_messages": shared}
-                payload["messages_prefix"] = prefix
+            reference = self._messages_reference()
+            if reference is not None:
+                payload["body"] = {**body, "messages": messages[reference["n_messages"] :]}
+                payload["messages_prefix"] = reference
         return self._event(EventType.REQUEST_RECEIVED, payload)
 
-    def _shared_messages(self) -> int:
-        """How many leading messages this request shares with the previous turn's, when it
-        repeats all of them (then its body stores only the rest); else 0.
+    def _messages_reference(self) -> dict[str, Any] | None:
+        """The previous turn as `messages_prefix`, when this request repeats all its messages
+        first (then its body stores only the rest); else None.
 
         Compared as orjson's serialisation: `[A,B]` and `[A,B,C]` (or `[A,B]` again) agree up to
         the former's closing bracket, where the latter has a comma (or the same bracket), and
@@ -182,12 +180,12 @@ class RequestRecorder:
         """
         previous = self.previous
         if previous is None or previous.n_messages == 0:
-            return 0
+            return None
         before, now = previous.messages, self._messages[1]
         cut = len(before) - 1
         if now[cut : cut + 1] in (b",", b"]") and now.startswith(memoryview(before)[:cut]):
-            return previous.n_messages
-        return 0
+            return {"request_id": previous.request_id, "n_messages": previous.n_messages}
+        return None
 
     async def emit(self, event: NewEvent) -> None:
         """Queue one event of this request's stream."""
