@@ -381,8 +381,10 @@ def whole_messages(
                 before = None
                 if source in requests and source not in seen:
                     before = resolve(source, seen | {stream})
-                ok = before is not None and len(before) == prefix.get("n_messages")
-                messages = before + messages if ok and before is not None else None
+                if before is None or len(before) != prefix.get("n_messages"):
+                    messages = None
+                else:
+                    messages = before + messages
             whole[stream] = messages
         return whole[stream]
 
