@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -35,6 +36,7 @@ from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
 from proxy.auth import admin_key_is_valid, require_session_key
+from proxy.continuation import last_turn_in_log
 from proxy.engines import EnginePool
 from proxy.errors import (
     NotFound,
@@ -126,7 +128,14 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
             settings=settings,
             store=store,
             registry=registry,
-            forwarder=Forwarder(http, engines, writer, settings, metrics),
+            forwarder=Forwarder(
+                http,
+                engines,
+                writer,
+                settings,
+                metrics,
+                last_turn=functools.partial(last_turn_in_log, store, registry.replicas),
+            ),
             engines=engines,
             metrics=metrics,
             public_url=public_url,

@@ -47,6 +47,9 @@ class Engine:
     in_flight: int = 0
     last_error: str | None = None
     last_checked: float | None = None
+    #: Whether it takes pre-tokenised chat prompts (`proxy.continuation`); False once it
+    #: rendered the messages instead of using the ids it was sent.
+    token_prompts: bool = True
 
     @property
     def saturated(self) -> bool:
@@ -64,6 +67,7 @@ class Engine:
             "saturated": self.saturated,
             "last_error": self.last_error,
             "last_checked": self.last_checked,
+            "token_prompts": self.token_prompts,
         }
 
 

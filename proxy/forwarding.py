@@ -19,6 +19,7 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from proxy.continuation import RENDERED, Continuer, Plan, Turn
 from proxy.engines import Engine, EnginePool, NoHealthyEngine
 from proxy.errors import BadRequest, EngineFailed, Overloaded, from_bug
 from proxy.metrics import ProxyMetrics
@@ -79,13 +80,25 @@ class Forwarder:
         writer: EventWriter,
         settings: ProxySettings,
         metrics: ProxyMetrics,
+        last_turn: Callable[[str], Awaitable[Turn | None]] | None = None,
     ) -> None:
+        """`last_turn(session_id)`: the session's last chat turn read from the log, for a turn
+        that continues one this replica does not remember."""
         self.http = http
         self.engines = engines
         self.writer = writer
         self.settings = settings
         self.metrics = metrics
-        self.contexts = PromptContexts()  # so a prompt can be stored as the last turn + new tokens
+        self.last_turn = last_turn
+        # The last turn of each session: its prompt can be stored as a reference plus new tokens,
+        # and the next prompt continued from its ids.
+        self.contexts = PromptContexts()
+        self.continuer = Continuer(
+            http,
+            enabled=settings.continuation == "tokens",
+            headers=self._headers(None),
+            timeout=settings.request_timeout,
+        )
 
     async def handle(
         self, api: Api, session: Session, raw: bytes, extra_headers: dict[str, str] | None = None
@@ -113,6 +126,7 @@ class Forwarder:
             chunk_tokens=self.settings.chunk_tokens,
             previous=self.contexts.get(session.session_id),
             on_completed=functools.partial(self.contexts.remember, session.session_id),
+            on_prompt=functools.partial(self._prompt_sent, engine),
         )
         try:
             received = recorder.received_event(
@@ -127,7 +141,9 @@ class Forwarder:
             raise BadRequest(f"the request cannot be recorded: {exc}") from None
         await recorder.emit(received)
         self.metrics.requests_started.labels(api=api).inc()
-        payload = orjson.dumps(engine_body(api, body))
+        if api == "chat":
+            recorder.plan = await self._plan(engine, session.session_id, body, recorder)
+        payload = orjson.dumps(engine_body(api, body, recorder.plan.token_ids))
         headers = self._headers(extra_headers)
         if body.get("stream"):
             return await self._stream(api, engine, payload, headers, recorder, asked)
@@ -269,6 +285,34 @@ class Forwarder:
             await recorder.failed("engine_error", "the engine closed the stream before [DONE]")
             self._count(api, 502)
             yield _sse(EngineFailed("the engine closed the stream before it was complete").body())
+
+    # -- continuation ---------------------------------------------------------------------------
+
+    async def _plan(
+        self, engine: Engine, session_id: str, body: dict[str, Any], recorder: RequestRecorder
+    ) -> Plan:
+        """How the prompt reaches the engine; a failure here renders it, as without continuation."""
+
+        async def last_turn() -> Turn | None:
+            return None if self.last_turn is None else await self.last_turn(session_id)
+
+        try:
+            return await self.continuer.plan(
+                engine, body, recorder.messages_json, recorder.previous, last_turn
+            )
+        except Exception:
+            log.exception("continuing a prompt failed; the engine renders it from the messages")
+            return RENDERED._replace(fallback="proxy_error")
+
+    def _prompt_sent(self, engine: Engine, plan: Plan) -> None:
+        """Count how a chat prompt reached the engine; stop continuing where it was ignored."""
+        self.metrics.prompts.labels(source=plan.source, fallback=plan.fallback or "").inc()
+        if plan.drift_at is not None:
+            self.metrics.drift_avoided.inc()
+        if plan.fallback == "engine_ignored_token_prompt" and engine.token_prompts:
+            log.warning("the engine at %s ignored a token prompt: prompts are rendered from "
+                        "text there from now on", engine.url)  # fmt: skip
+            engine.token_prompts = False
 
     # -- failures and bookkeeping ---------------------------------------------------------------
 

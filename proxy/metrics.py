@@ -32,6 +32,16 @@ class ProxyMetrics:
             "trajstore_time_to_first_token_seconds", "Time to first token", ["api"],
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.prompts = Counter(
+            "trajstore_chat_prompts", "Chat prompts by how they reached the engine "
+            "(continued from ids, or rendered from text) and why not continued",
+            ["source", "fallback"], registry=r,
+        )  # fmt: skip
+        self.drift_avoided = Counter(
+            "trajstore_prompt_drift_avoided",
+            "Continued prompts whose text rendering would have differed from the ids sampled",
+            registry=r,
+        )
         self.writer_pending = Gauge(
             "trajstore_writer_pending_events", "Events queued, not yet durable", registry=r
         )

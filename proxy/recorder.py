@@ -14,60 +14,50 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import orjson
 
+from proxy.continuation import RENDERED, Ending, Plan, Turn, render_key
 from proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
 from store import BadEvent, EventType, EventWriter, NewEvent, request_stream
-from store.tokens import TOKEN_DTYPE, shared_prefix
+from store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
 
 #: A prompt is stored as a reference to the session's last turn when it shares at least this
 #: many leading tokens with it (the prompt_tokens contract in `store.sessions`).
 MIN_SHARED_TOKENS = 16
 
 
-class Context(NamedTuple):
-    """A session's last completed turn, as the next turn's events may reference it."""
-
-    request_id: str
-    tokens: bytes  #: its prompt + completion (choice 0), packed
-    n_messages: int = 0  #: how many messages it sent (chat)
-    messages: bytes = b""  #: those messages as JSON (orjson's), b"" when it sent none
-
-
 class PromptContexts:
     """The last completed turn of each session this replica served, so that the next turn's
-    prompt and messages can be stored as references to it plus what is new.
+    prompt and messages can be stored as references to it plus what is new, and its prompt
+    continued from the ids sampled (`proxy.continuation`).
 
     Bounded: past `max_bytes`, the sessions whose last turn is oldest are forgotten (their next
-    turn is then stored whole, as after a restart or on another replica: correct, only larger).
+    turn is then stored whole and continued from the log, as after a restart or on another
+    replica: correct, only slower).
     """
 
     def __init__(self, max_bytes: int = 256 << 20) -> None:
         self.max_bytes = max_bytes
-        self._contexts: OrderedDict[str, Context] = OrderedDict()
+        self._contexts: OrderedDict[str, Turn] = OrderedDict()
         self._bytes = 0
 
-    def get(self, session_id: str) -> Context | None:
+    def get(self, session_id: str) -> Turn | None:
         """The session's last completed turn, if this replica remembers it."""
         return self._contexts.get(session_id)
 
-    def remember(self, session_id: str, context: Context) -> None:
+    def remember(self, session_id: str, turn: Turn) -> None:
         """Record a completed turn (called once its events are queued, in log order)."""
         old = self._contexts.pop(session_id, None)
         if old is not None:
-            self._bytes -= _size(old)
-        self._contexts[session_id] = context
-        self._bytes += _size(context)
+            self._bytes -= old.size
+        self._contexts[session_id] = turn
+        self._bytes += turn.size
         while self._bytes > self.max_bytes and self._contexts:
             _, dropped = self._contexts.popitem(last=False)
-            self._bytes -= _size(dropped)
-
-
-def _size(context: Context) -> int:
-    return len(context.tokens) + len(context.messages)
+            self._bytes -= dropped.size
 
 
 def _without_nul(value: Any) -> Any:
@@ -113,11 +103,13 @@ class RequestRecorder:
         run_id: str | None,
         request_id: str,
         chunk_tokens: int = 16,
-        previous: Context | None = None,
-        on_completed: Callable[[Context], None] | None = None,
+        previous: Turn | None = None,
+        on_completed: Callable[[Turn], None] | None = None,
+        on_prompt: Callable[[Plan], None] | None = None,
     ) -> None:
         """`previous`: the session's last completed turn, which this turn's prompt and messages
-        may reference; `on_completed`: told this turn's `Context` once it finished."""
+        may reference; `on_completed`: told this turn as a `Turn` once it finished; `on_prompt`:
+        told how the prompt reached the engine once the engine echoed it."""
         self.writer = writer
         self.session_id = session_id
         self.run_id = run_id
@@ -134,9 +126,12 @@ class RequestRecorder:
         self._outbox: list[NewEvent] = []
         self.previous = previous
         self.on_completed = on_completed
+        self.on_prompt = on_prompt
+        self.plan: Plan = RENDERED  #: how the prompt is sent (`proxy.continuation`)
         self._prompt: bytes | None = None  # packed, whole
-        self._completion: list[bytes] = []  # choice 0's recorded chunks, packed
+        self._completions: dict[int, list[bytes]] = {}  # each choice's recorded chunks, packed
         self._messages: tuple[int, bytes] = (0, b"")  # chat: how many messages, as JSON
+        self._render_key = b""
 
     def received_event(
         self,
@@ -164,11 +159,17 @@ class RequestRecorder:
         messages = body.get("messages")
         if api == "chat" and isinstance(messages, list):
             self._messages = (len(messages), orjson.dumps(messages))
+            self._render_key = render_key(body)
             reference = self._messages_reference()
             if reference is not None:
                 payload["body"] = {**body, "messages": messages[reference["n_messages"] :]}
                 payload["messages_prefix"] = reference
         return self._event(EventType.REQUEST_RECEIVED, payload)
+
+    @property
+    def messages_json(self) -> bytes:
+        """The request's messages as orjson serialises them (chat; b"" otherwise)."""
+        return self._messages[1]
 
     def _messages_reference(self) -> dict[str, Any] | None:
         """The previous turn as `messages_prefix`, when this request repeats all its messages
@@ -239,11 +240,25 @@ class RequestRecorder:
         }
         await self.emit(self._event(EventType.COMPLETION_FINISHED, payload))
         self.ended = True
-        # The next turn may reference this one: only a whole, single-choice turn (with n > 1 the
-        # next prompt may continue any choice, and store.samples sorts that out).
-        if self.on_completed is not None and self._prompt is not None and set(self._choices) == {0}:
-            tokens = self._prompt + b"".join(self._completion)
-            self.on_completed(Context(self.request_id, tokens, *self._messages))
+        # The next turn may reference and continue this one, once it is whole.
+        whole = sorted(self._choices) == list(range(len(self._choices)))
+        if self.on_completed is not None and self._prompt is not None and whole:
+            self.on_completed(self._as_turn(choices))
+
+    def _as_turn(self, finished: list[dict[str, Any]]) -> Turn:
+        endings = tuple(
+            Ending(
+                b"".join(self._completions.get(c["index"], ())),
+                c["finish_reason"],
+                c["stop_reason"],
+                c["message"],
+            )
+            for c in finished
+        )
+        n_messages, messages = self._messages
+        return Turn(
+            self.request_id, self._prompt or b"", n_messages, messages, self._render_key, endings
+        )
 
     async def failed(self, reason: str, message: str, status: int | None = None) -> None:
         """Write what is buffered (partial tokens are kept) and the request_failed event."""
@@ -266,22 +281,26 @@ class RequestRecorder:
     def _prompt_event(self, token_ids: list[int]) -> NewEvent:
         """The prompt_tokens event: whole, or what follows the part shared with `previous`.
 
-        The whole prompt is packed (and checked) once, by the event that stores it whole; a
-        reference event packs only the new tokens again.
+        The prompt is packed (and checked) once; the event then takes a view of it. A chat
+        prompt also says how it reached the engine, checked against what the engine echoed.
         """
-        whole = self._event(EventType.PROMPT_TOKENS, {"choice": None}, token_ids=token_ids)
-        packed = self._prompt = whole.token_bytes or b""
+        packed = self._prompt = encode_token_ids(token_ids)
+        ids = np.frombuffer(packed, TOKEN_DTYPE)
+        payload: dict[str, Any] = {"choice": None}
+        if self._messages[0]:
+            if self.plan.source == "continued" and packed != self.plan.packed:
+                # The engine rendered the messages itself: its echo is the truth, and says so.
+                self.plan = RENDERED._replace(fallback="engine_ignored_token_prompt")
+            payload |= self.plan.as_json()
+            if self.on_prompt is not None:
+                self.on_prompt(self.plan)
         previous = self.previous
         shared = 0 if previous is None else shared_prefix(packed, previous.tokens)
         if previous is None or shared < MIN_SHARED_TOKENS:
-            return whole
-        payload = {
-            "choice": None,
-            "prefix": {"request_id": previous.request_id, "n_tokens": shared},
-            "n_tokens": len(token_ids),
-        }
-        new = np.frombuffer(packed, TOKEN_DTYPE)[shared:]
-        return self._event(EventType.PROMPT_TOKENS, payload, token_ids=new)
+            return self._event(EventType.PROMPT_TOKENS, payload, token_ids=ids)
+        payload["prefix"] = {"request_id": previous.request_id, "n_tokens": shared}
+        payload["n_tokens"] = len(ids)
+        return self._event(EventType.PROMPT_TOKENS, payload, token_ids=ids[shared:])
 
     def _event(
         self,
@@ -369,8 +388,8 @@ class RequestRecorder:
             logprobs=logprobs,
         )
         self.tokens_recorded += len(buffer.token_ids)
-        if index == 0 and event.token_bytes is not None:
-            self._completion.append(event.token_bytes)
+        if event.token_bytes is not None:
+            self._completions.setdefault(index, []).append(event.token_bytes)
         buffer.token_ids, buffer.logprobs, buffer.text = [], [], []
         buffer.logprobs_complete = True
         self._outbox.append(event)

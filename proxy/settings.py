@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -58,6 +58,12 @@ class ProxySettings(BaseSettings):
         "(a full batch and `finish` never wait for it).",
     )
 
+    continuation: Literal["tokens", "text"] = Field(
+        default="tokens",
+        description="How a chat turn that continues the session's previous turn reaches the "
+        "engine: `tokens`, the ids already sampled plus the new messages' (no retokenisation "
+        "drift; see proxy.continuation), or `text`, the messages rendered by the engine.",
+    )
     finish_timeout: float = Field(
         default=30.0,
         gt=0,

@@ -88,9 +88,19 @@ def asked_for(api: Api, body: dict[str, Any]) -> Asked:
     )
 
 
-def engine_body(api: Api, body: dict[str, Any]) -> dict[str, Any]:
-    """The body sent to the engine: the agent's, plus token ids, logprobs and (streaming) usage."""
+def engine_body(
+    api: Api, body: dict[str, Any], prompt_token_ids: list[int] | None = None
+) -> dict[str, Any]:
+    """The body sent to the engine: the agent's, plus token ids, logprobs and (streaming) usage;
+    and the prompt as ids when the proxy continued it (`proxy.continuation`). vLLM takes a
+    pre-tokenised chat prompt through `kv_transfer_params` and still parses the answer as chat."""
     out = dict(body)
+    if prompt_token_ids is not None:
+        transfer = out.get("kv_transfer_params")
+        out["kv_transfer_params"] = {
+            **(transfer if isinstance(transfer, dict) else {}),
+            "prompt_token_ids": prompt_token_ids,
+        }
     out["return_token_ids"] = True
     if api == "chat":
         out["logprobs"] = True

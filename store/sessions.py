@@ -18,7 +18,13 @@ A session's events live in two kinds of streams (see `store.events`):
     prompt_tokens        token_ids = the prompt the engine saw; {choice: null}; or, when the
                          prompt continues an earlier turn of the session, {choice: null,
                          prefix: {request_id, n_tokens}, n_tokens} and token_ids = the prompt
-                         after its first prefix.n_tokens ids (see below)
+                         after its first prefix.n_tokens ids (see below). Chat prompts also say
+                         how they reached the engine (`proxy.continuation`): prompt_source
+                         `continued` (ids built by the proxy: {continuation: {choice,
+                         drift_at}}, drift_at the first position where the text rendering
+                         would have differed, null for none) or `rendered` (the engine rendered
+                         the messages; {continuation: {fallback}} says why when the request
+                         looked like a continuation)
     completion_chunk     token_ids + logprobs of several generated tokens; {choice, text}
     completion_finished  {choices: [{index, finish_reason, stop_reason, message, n_tokens}],
                           usage, latency_s, ttft_s}
@@ -108,6 +114,8 @@ class TurnRecord:
     first_position: int = 0
     received_at: float | None = None  # the proxy's clock when the request arrived
     messages_prefix: dict[str, Any] | None = None  # body.messages continue that request's
+    prompt_source: str | None = None  # chat: continued | rendered (None: recorded before it)
+    continuation: dict[str, Any] | None = None  # {choice, drift_at} or {fallback}
 
     @property
     def constrained_by(self) -> str | None:
@@ -153,6 +161,8 @@ class TurnRecord:
             "policy_version": self.policy_version,
             "logprobs_mode": self.logprobs_mode,
             "prompt_token_ids": self.prompt_token_ids,
+            "prompt_source": self.prompt_source,
+            "continuation": self.continuation,
             "choices": [self.choices[i].as_json() for i in sorted(self.choices)],
             "status": self.status,
             "constrained_by": self.constrained_by,
@@ -277,6 +287,8 @@ def rebuild_session(
         elif kind == _PROMPT:
             if stream in turns:
                 prompts[stream] = event.packed_token_ids or b""
+                turns[stream].prompt_source = event.payload.get("prompt_source")
+                turns[stream].continuation = event.payload.get("continuation")
                 if (prefix := event.payload.get("prefix")) is not None:
                     references.append((stream, prefix))
         elif kind == _RECEIVED:

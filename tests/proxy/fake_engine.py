@@ -10,6 +10,10 @@ Tokenisation is fake but keeps the property the recorder relies on:
 - a chat message is ``[1 <|im_start|>, word_id(role), 203 "\\n", *word_ids(content),
   2 <|im_end|>, 203]``; the prompt is the messages followed by ``[1, word_id("assistant"), 203]``.
 - a completions prompt that is a list of ints is used as-is; a string is ``word_ids(prompt)``.
+- ``/tokenize`` renders chat messages the same way (the generation prompt only when asked), and
+  a chat request's ``kv_transfer_params.prompt_token_ids`` is used as its prompt, as vLLM does
+  (``ignore_token_prompts=True``: an engine that renders the messages anyway;
+  ``rewrite_replies=True``: a template that is not append-only, see ``chat_prompt_ids``).
 - generated ids lie in [5, 500); eos is id 2 with text ``<|im_end|>`` and no content.
 
 So, as with vLLM, when the assistant reply is replayed unchanged turn k+1's prompt starts with
@@ -67,8 +71,14 @@ def _content(tid: int) -> str:
     return "" if tid == EOS else token_text(tid)
 
 
-def chat_prompt_ids(messages: list[JSON]) -> list[int]:
-    """The prompt ids of a chat request: ChatML framing around word ids."""
+def chat_prompt_ids(
+    messages: list[JSON], generation: bool = True, *, rewrite_replies: bool = False
+) -> list[int]:
+    """The prompt ids of a chat request: ChatML framing around word ids.
+
+    `rewrite_replies`: a template that is not append-only, as thinking models' are: an earlier
+    assistant message is rendered with a word the engine never sampled at its start.
+    """
     ids: list[int] = []
     for m in messages:
         content = m.get("content")
@@ -78,8 +88,10 @@ def chat_prompt_ids(messages: list[JSON]) -> list[int]:
         if m.get("tool_calls"):  # so that tool-call turns tokenise to something distinct
             words += orjson.dumps(m["tool_calls"], option=orjson.OPT_SORT_KEYS).decode().split()
         ids += [IM_START, word_id(str(m.get("role", ""))), NEWLINE]
+        if rewrite_replies and m.get("role") == "assistant":
+            words.insert(0, "(earlier)")
         ids += [*map(word_id, words), EOS, NEWLINE]
-    return [*ids, IM_START, word_id("assistant"), NEWLINE]
+    return [*ids, IM_START, word_id("assistant"), NEWLINE] if generation else ids
 
 
 def completion_prompt_ids(prompt: Any) -> list[int]:
@@ -156,6 +168,8 @@ class FakeEngine:
         delay: float = 1.0,
         fault: str | None = None,
         instant: bool = False,
+        ignore_token_prompts: bool = False,
+        rewrite_replies: bool = False,
     ) -> None:
         self.model_name = model_name
         self.completion_tokens = completion_tokens  # caps max_tokens; below it the answer stops
@@ -164,6 +178,9 @@ class FakeEngine:
         self.delay = delay
         self.fault = fault
         self.instant = instant
+        self.ignore_token_prompts = ignore_token_prompts
+        self.rewrite_replies = rewrite_replies  # see chat_prompt_ids
+        self.tokenized: list[JSON] = []  # the /tokenize requests
         self.healthy = True
         self.url = ""
         self.requests: list[JSON] = []
@@ -180,6 +197,7 @@ class FakeEngine:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", partial(self._serve, api="chat"))
         app.router.add_post("/v1/completions", partial(self._serve, api="completions"))
+        app.router.add_post("/tokenize", self._tokenize)
         # Cancel handlers when the client leaves, as vLLM aborts the request.
         self._runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
@@ -213,6 +231,14 @@ class FakeEngine:
         card |= {"owned_by": "vllm", "root": self.model_name, "parent": None}
         card |= {"max_model_len": MAX_MODEL_LEN, "permission": []}
         return web.json_response({"object": "list", "data": [card]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body: JSON = orjson.loads(await request.read())
+        self.tokenized.append(body)
+        generation = body.get("add_generation_prompt", True)
+        ids = chat_prompt_ids(body["messages"], generation, rewrite_replies=self.rewrite_replies)
+        answer = {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
     async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
         body: JSON = orjson.loads(await request.read())
@@ -293,8 +319,11 @@ class FakeEngine:
     def _render(self, api: str, body: JSON) -> Payload:
         """The answer as JSON bytes, or as the SSE lines of a stream."""
         chat = api == "chat"
-        if chat:
-            prompt = chat_prompt_ids(body.get("messages") or [])
+        token_prompt = (body.get("kv_transfer_params") or {}).get("prompt_token_ids")
+        if chat and token_prompt is not None and not self.ignore_token_prompts:
+            prompt = list(token_prompt)
+        elif chat:
+            prompt = chat_prompt_ids(body.get("messages") or [], rewrite_replies=self.rewrite_replies)
         else:
             prompt = completion_prompt_ids(body.get("prompt"))
         n = int(body.get("n") or 1)

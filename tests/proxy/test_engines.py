@@ -197,6 +197,7 @@ def test_set_policy_version_and_describe() -> None:
         "saturated": False,
         "last_error": None,
         "last_checked": None,
+        "token_prompts": True,
     }
 
 

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import orjson
 
-from proxy.recorder import Context, PromptContexts, RequestRecorder
+from proxy.continuation import Turn
+from proxy.recorder import PromptContexts, RequestRecorder
 from proxy.wire import Asked
 
 BODY = {"model": "m", "max_tokens": 8, "temperature": 0.5}
 ASKED = Asked(token_ids=False, logprobs=False, usage=False)
+
+
+def Context(  # noqa: N802  (reads like the record it builds)
+    request_id: str, prompt: bytes, n_messages: int = 0, messages: bytes = b""
+) -> Turn:
+    """A remembered turn holding `prompt` and `messages` (the bytes the bound counts)."""
+    return Turn(request_id, prompt, n_messages, messages, b"", ())
 
 
 def test_sessions_whose_last_turn_is_oldest_are_forgotten_past_the_bound() -> None:
@@ -27,7 +35,7 @@ def test_sessions_whose_last_turn_is_oldest_are_forgotten_past_the_bound() -> No
     assert [contexts.get(s) for s in "acd"] == [None, None, None]
 
 
-def received(messages: list[dict[str, str]], previous: Context | None) -> dict[str, object]:
+def received(messages: list[dict[str, str]], previous: Turn | None) -> dict[str, object]:
     """The request_received payload the recorder makes for a chat request with `messages`."""
     recorder = RequestRecorder(
         writer=None,  # type: ignore[arg-type]  # building an event writes nothing
@@ -48,7 +56,7 @@ def received(messages: list[dict[str, str]], previous: Context | None) -> dict[s
     return payload
 
 
-def earlier(messages: list[dict[str, str]]) -> Context:
+def earlier(messages: list[dict[str, str]]) -> Turn:
     return Context("q1", b"", len(messages), orjson.dumps(messages))
 
 
