@@ -323,7 +323,9 @@ class FakeEngine:
         if chat and token_prompt is not None and not self.ignore_token_prompts:
             prompt = list(token_prompt)
         elif chat:
-            prompt = chat_prompt_ids(body.get("messages") or [], rewrite_replies=self.rewrite_replies)
+            prompt = chat_prompt_ids(
+                body.get("messages") or [], rewrite_replies=self.rewrite_replies
+            )
         else:
             prompt = completion_prompt_ids(body.get("prompt"))
         n = int(body.get("n") or 1)
