@@ -121,7 +121,11 @@ def served_tiny_model(*, seed: int = 0, prefix: str = "trajstore-vllm-") -> Iter
     """A real vLLM (CPU build) on a freshly generated tiny model of `seed`: its URL."""
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
     model = build_tiny_model(workdir / "model", seed=seed)
-    server = VllmServer(model, free_port(), log_file=workdir / "vllm.log")
+    # Trusting a request's chat template lets tests try other templates on the same engine.
+    server = VllmServer(
+        model, free_port(), log_file=workdir / "vllm.log",
+        extra_args=("--trust-request-chat-template",),
+    )  # fmt: skip
     server.start()
     try:
         yield server.url

@@ -46,9 +46,7 @@ async def take_turn(
         choice = answer.choices[0]
         reply = choice.message.model_dump(exclude_none=True)
         return reply, answer.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
-    chunks = await agent.chat.completions.create(
-        messages=messages, stream=True, **{**ASK, **extra}
-    )
+    chunks = await agent.chat.completions.create(messages=messages, stream=True, **{**ASK, **extra})
     prompt: list[int] = []
     ids: list[int] = []
     text = ""
