@@ -5,11 +5,13 @@ is a table (the projection). Together they answer questions such as "mean reward
 policy version" in one SELECT; the README lists tested examples.
 
 `turns` — one row per model request: the messages the agent sent, the completion text and tool
-calls, finish reason, token counts, latency and time to first token, engine, policy version.
+calls, finish reason, token counts, latency and time to first token, engine, policy version, and
+how the prompt reached the engine (`prompt_source` continued | rendered, `prompt_fallback` why
+not continued, `drift_at` where the text rendering would have differed; `proxy.continuation`).
 
 `trajectories` — one row per session: run, task, group, status, reward, turns, tool turns,
-tokens, duration, engines, policy versions, and the divergences its samples recorded (from the
-served projection version).
+tokens, duration, engines, policy versions, the divergences its samples recorded (from the
+served projection version), and its continued turns and the drift they avoided.
 
 `trajstore_reader` can SELECT these two views and `samples`, and nothing else: not the events
 table, not a write anywhere. Roles belong to the whole PostgreSQL cluster, so the role is created
@@ -87,10 +89,17 @@ SELECT
     coalesce(c.completion_tokens, 0) AS completion_tokens,
     (e.payload ->> 'latency_s')::float8 AS latency_s,
     (e.payload ->> 'ttft_s')::float8 AS ttft_s,
-    CASE WHEN e.event_type = 'request_failed' THEN e.payload ->> 'reason' END AS failure
+    CASE WHEN e.event_type = 'request_failed' THEN e.payload ->> 'reason' END AS failure,
+    p.prompt_source,
+    p.prompt_fallback,
+    p.drift_at
 FROM events r
 LEFT JOIN LATERAL (
-    SELECT coalesce((payload ->> 'n_tokens')::int, octet_length(token_ids) / 4) AS prompt_tokens
+    SELECT
+        coalesce((payload ->> 'n_tokens')::int, octet_length(token_ids) / 4) AS prompt_tokens,
+        payload ->> 'prompt_source' AS prompt_source,
+        payload -> 'continuation' ->> 'fallback' AS prompt_fallback,
+        (payload -> 'continuation' ->> 'drift_at')::int AS drift_at
     FROM events
     WHERE stream_id = r.stream_id AND event_type = 'prompt_tokens'
     LIMIT 1
@@ -136,7 +145,9 @@ SELECT
     coalesce(t.engines, '{}') AS engines,
     coalesce(t.policy_versions, '{}') AS policy_versions,
     coalesce(v.divergences, 0) AS divergences,
-    coalesce(v.divergence_reasons, '{}') AS divergence_reasons
+    coalesce(v.divergence_reasons, '{}') AS divergence_reasons,
+    coalesce(t.continued_turns, 0) AS continued_turns,
+    coalesce(t.drift_avoided, 0) AS drift_avoided
 FROM events s
 LEFT JOIN LATERAL (
     SELECT payload, recorded_at FROM events
@@ -165,7 +176,9 @@ LEFT JOIN LATERAL (
         sum(completion_tokens)::int AS completion_tokens,
         array_agg(DISTINCT engine) FILTER (WHERE engine IS NOT NULL) AS engines,
         array_agg(DISTINCT policy_version)
-            FILTER (WHERE policy_version IS NOT NULL) AS policy_versions
+            FILTER (WHERE policy_version IS NOT NULL) AS policy_versions,
+        (count(*) FILTER (WHERE prompt_source = 'continued'))::int AS continued_turns,
+        (count(*) FILTER (WHERE drift_at IS NOT NULL))::int AS drift_avoided
     FROM turns WHERE session_id = s.session_id
 ) t ON true
 LEFT JOIN LATERAL (

@@ -1,0 +1,238 @@
+"""`turns` and `trajectories` say how each chat prompt reached the engine.
+
+From this version on, the proxy continues a chat turn from the ids the engine sampled when it can
+prove the request continues the session's previous turn (`proxy.continuation`), and its
+prompt_tokens event says so: `prompt_source` (continued | rendered) and `continuation`
+({choice, drift_at} or {fallback}). `turns` gains `prompt_source`, `prompt_fallback` and
+`drift_at`; `trajectories` gains `continued_turns` and `drift_avoided`. New columns go last, so
+`CREATE OR REPLACE` keeps both views' grants; a downgrade must drop and recreate them instead
+(a view cannot lose columns in place) and grants the reader role again.
+
+Revision ID: 0010_prompt_source
+Revises: 0009_messages_references
+Create Date: 2026-11-24
+"""
+
+from collections.abc import Sequence
+
+from alembic import op
+
+revision: str = "0010_prompt_source"
+down_revision: str | None = "0009_messages_references"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+# Written out, not imported: a revision keeps the statements it was written with.
+_TURNS = """CREATE OR REPLACE VIEW turns AS
+SELECT
+    r.session_id,
+    r.run_id,
+    r.payload ->> 'request_id' AS request_id,
+    r.position,
+    r.recorded_at AS started_at,
+    r.payload ->> 'api' AS api,
+    r.payload ->> 'engine' AS engine,
+    r.payload ->> 'policy_version' AS policy_version,
+    (r.payload ->> 'stream')::boolean AS stream,
+    CASE WHEN r.payload ? 'messages_prefix' THEN (
+        -- Stored as a reference to an earlier turn's messages plus the new ones (the
+        -- request_received contract in store.sessions): follow the chain back to a turn stored
+        -- whole, and give the whole list only when the counts add up (never a guess).
+        WITH RECURSIVE chain (payload, depth) AS (
+            SELECT r.payload, 0
+            UNION ALL
+            SELECT earlier.payload, chain.depth + 1
+            FROM chain
+            JOIN events earlier
+              ON earlier.stream_id
+                 = 'request-' || (chain.payload -> 'messages_prefix' ->> 'request_id')
+             AND earlier.event_type = 'request_received'
+            WHERE chain.payload ? 'messages_prefix' AND chain.depth < 10000
+        )
+        SELECT CASE
+            WHEN count(*) FILTER (WHERE NOT chain.payload ? 'messages_prefix') = 1
+             AND sum(CASE WHEN jsonb_typeof(chain.payload -> 'body' -> 'messages') = 'array'
+                          THEN jsonb_array_length(chain.payload -> 'body' -> 'messages') END)
+                 = (r.payload -> 'messages_prefix' ->> 'n_messages')::int
+                   + jsonb_array_length(r.payload -> 'body' -> 'messages')
+            THEN (
+                SELECT jsonb_agg(m.value ORDER BY link.depth DESC, m.ordinality)
+                FROM chain AS link,
+                     jsonb_array_elements(link.payload -> 'body' -> 'messages')
+                         WITH ORDINALITY AS m
+            )
+        END
+        FROM chain
+    ) ELSE r.payload -> 'body' -> 'messages' END AS messages,
+    r.payload -> 'body' -> 'tools' AS tools,
+    r.payload -> 'sampling' AS sampling,
+    CASE e.event_type
+        WHEN 'completion_finished' THEN 'completed'
+        WHEN 'request_failed' THEN 'failed'
+        ELSE 'in_progress'
+    END AS status,
+    e.payload -> 'choices' -> 0 ->> 'finish_reason' AS finish_reason,
+    c.completion_text,
+    CASE WHEN jsonb_typeof(e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls') = 'array'
+        THEN e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls'
+    END AS tool_calls,
+    CASE WHEN jsonb_typeof(e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls') = 'array'
+        THEN jsonb_array_length(e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls')
+        ELSE 0
+    END AS n_tool_calls,
+    coalesce(p.prompt_tokens, 0) AS prompt_tokens,
+    coalesce(c.completion_tokens, 0) AS completion_tokens,
+    (e.payload ->> 'latency_s')::float8 AS latency_s,
+    (e.payload ->> 'ttft_s')::float8 AS ttft_s,
+    CASE WHEN e.event_type = 'request_failed' THEN e.payload ->> 'reason' END AS failure,
+    p.prompt_source,
+    p.prompt_fallback,
+    p.drift_at
+FROM events r
+LEFT JOIN LATERAL (
+    SELECT
+        coalesce((payload ->> 'n_tokens')::int, octet_length(token_ids) / 4) AS prompt_tokens,
+        payload ->> 'prompt_source' AS prompt_source,
+        payload -> 'continuation' ->> 'fallback' AS prompt_fallback,
+        (payload -> 'continuation' ->> 'drift_at')::int AS drift_at
+    FROM events
+    WHERE stream_id = r.stream_id AND event_type = 'prompt_tokens'
+    LIMIT 1
+) p ON true
+LEFT JOIN LATERAL (
+    SELECT
+        string_agg(payload ->> 'text', '' ORDER BY stream_version)
+            FILTER (WHERE coalesce((payload ->> 'choice')::int, 0) = 0) AS completion_text,
+        sum(octet_length(token_ids) / 4)::int AS completion_tokens
+    FROM events
+    WHERE stream_id = r.stream_id AND event_type = 'completion_chunk'
+) c ON true
+LEFT JOIN LATERAL (
+    SELECT event_type, payload FROM events
+    WHERE stream_id = r.stream_id AND event_type IN ('completion_finished', 'request_failed')
+    ORDER BY stream_version DESC
+    LIMIT 1
+) e ON true
+WHERE r.event_type = 'request_received'
+"""
+
+_TRAJECTORIES = """CREATE OR REPLACE VIEW trajectories AS
+SELECT
+    s.session_id,
+    s.run_id,
+    s.payload ->> 'task_id' AS task_id,
+    s.payload ->> 'group_id' AS group_id,
+    s.payload -> 'metadata' AS metadata,
+    s.recorded_at AS created_at,
+    f.recorded_at AS finished_at,
+    coalesce(f.payload ->> 'status', 'active') AS status,
+    f.payload ->> 'reason' AS finish_reason,
+    d.session_id IS NOT NULL AS discarded,
+    d.payload ->> 'reason' AS discard_reason,
+    (w.payload ->> 'value')::float8 AS reward,
+    coalesce(t.turns, 0) AS turns,
+    coalesce(t.tool_turns, 0) AS tool_turns,
+    coalesce(t.failed_turns, 0) AS failed_turns,
+    coalesce(t.prompt_tokens, 0) AS prompt_tokens,
+    coalesce(t.completion_tokens, 0) AS completion_tokens,
+    extract(epoch FROM f.recorded_at - s.recorded_at)::float8 AS duration_s,
+    coalesce(t.engines, '{}') AS engines,
+    coalesce(t.policy_versions, '{}') AS policy_versions,
+    coalesce(v.divergences, 0) AS divergences,
+    coalesce(v.divergence_reasons, '{}') AS divergence_reasons,
+    coalesce(t.continued_turns, 0) AS continued_turns,
+    coalesce(t.drift_avoided, 0) AS drift_avoided
+FROM events s
+LEFT JOIN LATERAL (
+    SELECT payload, recorded_at FROM events
+    WHERE session_id = s.session_id AND event_type = 'session_finished'
+    ORDER BY tx_id DESC, position DESC
+    LIMIT 1
+) f ON true
+LEFT JOIN LATERAL (
+    SELECT session_id, payload FROM events
+    WHERE session_id = s.session_id AND event_type = 'session_discarded'
+    ORDER BY tx_id DESC, position DESC
+    LIMIT 1
+) d ON true
+LEFT JOIN LATERAL (
+    SELECT payload FROM events
+    WHERE session_id = s.session_id AND event_type = 'reward_assigned'
+    ORDER BY tx_id DESC, position DESC
+    LIMIT 1
+) w ON true
+LEFT JOIN LATERAL (
+    SELECT
+        count(*)::int AS turns,
+        (count(*) FILTER (WHERE n_tool_calls > 0))::int AS tool_turns,
+        (count(*) FILTER (WHERE status = 'failed'))::int AS failed_turns,
+        sum(prompt_tokens)::int AS prompt_tokens,
+        sum(completion_tokens)::int AS completion_tokens,
+        array_agg(DISTINCT engine) FILTER (WHERE engine IS NOT NULL) AS engines,
+        array_agg(DISTINCT policy_version)
+            FILTER (WHERE policy_version IS NOT NULL) AS policy_versions,
+        (count(*) FILTER (WHERE prompt_source = 'continued'))::int AS continued_turns,
+        (count(*) FILTER (WHERE drift_at IS NOT NULL))::int AS drift_avoided
+    FROM turns WHERE session_id = s.session_id
+) t ON true
+LEFT JOIN LATERAL (
+    SELECT
+        (count(*) FILTER (WHERE divergence IS NOT NULL))::int AS divergences,
+        array_agg(divergence ->> 'reason' ORDER BY branch)
+            FILTER (WHERE divergence IS NOT NULL) AS divergence_reasons
+    FROM samples
+    WHERE session_id = s.session_id
+      AND alternative_of IS NULL
+      AND projection_version = (
+          SELECT version FROM projection_serving WHERE name = 'samples'
+      )
+) v ON true
+WHERE s.event_type = 'session_created'
+"""
+
+# Before: without the new columns (and the lateral joins reading only what those used).
+_LATERAL_BEFORE = (
+    "    SELECT coalesce((payload ->> 'n_tokens')::int, octet_length(token_ids) / 4) "
+    "AS prompt_tokens\n"
+)
+_LATERAL = """    SELECT
+        coalesce((payload ->> 'n_tokens')::int, octet_length(token_ids) / 4) AS prompt_tokens,
+        payload ->> 'prompt_source' AS prompt_source,
+        payload -> 'continuation' ->> 'fallback' AS prompt_fallback,
+        (payload -> 'continuation' ->> 'drift_at')::int AS drift_at
+"""
+_COUNTS = """,
+        (count(*) FILTER (WHERE prompt_source = 'continued'))::int AS continued_turns,
+        (count(*) FILTER (WHERE drift_at IS NOT NULL))::int AS drift_avoided
+"""
+_COLUMNS = ",\n    p.prompt_source,\n    p.prompt_fallback,\n    p.drift_at\n"
+_TRAJECTORY_COLUMNS = (
+    ",\n    coalesce(t.continued_turns, 0) AS continued_turns,"
+    "\n    coalesce(t.drift_avoided, 0) AS drift_avoided\n"
+)
+for _part, _text in ((_LATERAL, _TURNS), (_COLUMNS, _TURNS), (_COUNTS, _TRAJECTORIES)):
+    assert _part in _text
+assert _TRAJECTORY_COLUMNS in _TRAJECTORIES
+_TURNS_BEFORE = (
+    _TURNS.replace("CREATE OR REPLACE VIEW", "CREATE VIEW")
+    .replace(_LATERAL, _LATERAL_BEFORE)
+    .replace(_COLUMNS, "\n")
+)
+_TRAJECTORIES_BEFORE = (
+    _TRAJECTORIES.replace("CREATE OR REPLACE VIEW", "CREATE VIEW")
+    .replace(_COUNTS, "\n")
+    .replace(_TRAJECTORY_COLUMNS, "\n")
+)
+
+
+def upgrade() -> None:
+    op.execute(_TURNS)
+    op.execute(_TRAJECTORIES)
+
+
+def downgrade() -> None:
+    op.execute("DROP VIEW trajectories")
+    op.execute("DROP VIEW turns")
+    op.execute(_TURNS_BEFORE)
+    op.execute(_TRAJECTORIES_BEFORE)
+    op.execute("GRANT SELECT ON turns, trajectories TO trajstore_reader")
