@@ -66,7 +66,7 @@ from proxy.errors import ProxyError
 from proxy.replicas import Replicas
 from store import EventStore, StoreError
 from store.sessions import TurnRecord, rebuild_session
-from store.tokens import TOKEN_DTYPE, shared_prefix
+from store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,8 @@ class Plan(NamedTuple):
     """How this request's prompt reaches the engine."""
 
     source: Source
-    token_ids: list[int] | None = None  #: the prompt to send, when continued
+    #: The prompt to send, when continued (int32: orjson writes it without a list in between).
+    token_ids: np.ndarray[Any, np.dtype[np.int32]] | None = None
     packed: bytes = b""  #: the same, packed: what the engine's echo must equal
     fallback: str | None = None  #: why the prompt is rendered (None: nothing to continue)
     drift_at: int | None = None  #: continued: where the text rendering would first differ
@@ -336,18 +337,15 @@ class Continuer:
         glue = reply_end[len(reply_end) - reply_end[::-1].index(last) :]
         if not _ends_with(text, [last, *glue, *new_ids]):
             return RENDERED._replace(fallback="not_separable")
-        prompt = np.concatenate(
-            [
-                np.frombuffer(turn.prompt, TOKEN_DTYPE),
-                completion,
-                np.asarray([*glue, *new_ids], TOKEN_DTYPE),
-            ]
+        # Packed through array('I') (store.tokens), not numpy: a long rendering is a list of
+        # Python ints, and numpy converts those one by one.
+        packed = b"".join(
+            (turn.prompt, turn.choices[choice].tokens, encode_token_ids([*glue, *new_ids]))
         )
-        packed = prompt.tobytes()
-        rendered = np.asarray(text, TOKEN_DTYPE).tobytes()
-        shared = shared_prefix(packed, rendered)
-        drift = None if packed == rendered else shared
-        return Plan("continued", prompt.tolist(), packed, drift_at=drift, choice=choice)
+        rendered = encode_token_ids(text)
+        drift = None if packed == rendered else shared_prefix(packed, rendered)
+        prompt = np.frombuffer(packed, TOKEN_DTYPE)
+        return Plan("continued", prompt, packed, drift_at=drift, choice=choice)
 
     async def _base(self, engine: Engine, body: dict[str, Any]) -> tuple[list[int], list[int]]:
         """render(BASE) and how the template ends a reply (E), cached per render options."""

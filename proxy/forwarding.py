@@ -143,7 +143,9 @@ class Forwarder:
         self.metrics.requests_started.labels(api=api).inc()
         if api == "chat":
             recorder.plan = await self._plan(engine, session.session_id, body, recorder)
-        payload = orjson.dumps(engine_body(api, body, recorder.plan.token_ids))
+        payload = orjson.dumps(
+            engine_body(api, body, recorder.plan.token_ids), option=orjson.OPT_SERIALIZE_NUMPY
+        )
         headers = self._headers(extra_headers)
         if body.get("stream"):
             return await self._stream(api, engine, payload, headers, recorder, asked)

@@ -9,9 +9,11 @@ what the agent did not ask for itself, so the agent sees the shape it would have
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import orjson
 
 from proxy.errors import BadRequest
@@ -89,7 +91,7 @@ def asked_for(api: Api, body: dict[str, Any]) -> Asked:
 
 
 def engine_body(
-    api: Api, body: dict[str, Any], prompt_token_ids: list[int] | None = None
+    api: Api, body: dict[str, Any], prompt_token_ids: Sequence[int] | np.ndarray | None = None
 ) -> dict[str, Any]:
     """The body sent to the engine: the agent's, plus token ids, logprobs and (streaming) usage;
     and the prompt as ids when the proxy continued it (`proxy.continuation`). vLLM takes a

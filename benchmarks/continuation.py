@@ -1,0 +1,192 @@
+"""What token-in continuation costs a turn, against the same turn rendered from text, same run.
+
+    python benchmarks/continuation.py [--quick] [--context-tokens 16000] [--sessions 40]
+                                      [--runs 3] [--vllm]
+
+Two `trajstore proxy` processes record into scratch databases in front of one engine: one with
+TRAJSTORE_CONTINUATION=tokens, one with `text`. Both take the same agent turns: a session's first
+turn carries N tokens of earlier context (rendered by the engine either way), its second turn
+sends back the reply and a tool result, which the first proxy continues from the sampled ids
+(its `/tokenize` calls included) and the second leaves to the engine's rendering. The second
+turns of all sessions go one after another (one agent at a time), and the proxy's CPU time over
+them (/proc, utime + stime) divided by their count is its CPU per turn; their latency is taken
+at the client. Runs alternate which proxy goes first, so both meet the same machine.
+
+The engine is the fake engine (tests/proxy/fake_engine.py: it answers at once, and renders and
+tokenises a ChatML template for real, one id per word), or with `--vllm` the real vLLM (CPU) on
+the generated tiny model, whose 2,048-token window caps the context (at 1,200 tokens here). The
+run fails when a second turn of the `tokens` proxy was not continued.
+
+The database is TRAJSTORE_DATABASE_URL's server, else the embedded one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+
+import aiohttp
+import orjson
+import uvloop
+from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
+from proxy_overhead import ROOT, Server, Servers, cpu_seconds, start_vllm
+
+from store.embedded import database_url
+
+ENGINE_MAIN = """
+import asyncio, collections, sys
+import uvloop
+sys.path.insert(0, sys.argv[1])
+from tests.proxy.fake_engine import FakeEngine
+
+async def main():
+    engine = FakeEngine(completion_tokens=16)  # ends its turns with eos, as a model does
+    engine.requests = collections.deque(maxlen=1)
+    engine.requests_headers = collections.deque(maxlen=1)
+    engine.tokenized = collections.deque(maxlen=1)
+    await engine.start(port=int(sys.argv[2]))
+    await asyncio.Event().wait()
+
+uvloop.run(main())
+"""
+
+
+def first_messages(tokens: int, session: int) -> list[dict[str, str]]:
+    """An agent deep into an episode: about `tokens` tokens of earlier tool output (about four
+    characters a token, one fake-engine id a word), then the question."""
+    words = " ".join(f"r{(session * 7 + i) % 997:03d}" for i in range(tokens))
+    return [
+        {"role": "system", "content": "You are a careful coding agent."},
+        {"role": "tool", "content": words},
+        {"role": "user", "content": f"Fix test {session} in tests/test_io.py."},
+    ]
+
+
+async def turn(
+    http: aiohttp.ClientSession, session: dict[str, str], messages: list[dict[str, str]], k: int
+) -> tuple[dict[str, object], float]:
+    """One chat turn as an agent sends it; the reply to send back, and the latency."""
+    body = {
+        "model": "tiny", "messages": messages, "max_tokens": 40, "temperature": 1.0, "seed": k,
+        "logit_bias": {"2": 5},  # the tiny random model ends a turn with <|im_end|>, like a model
+    }  # fmt: skip
+    headers = {"Authorization": f"Bearer {session['api_key']}"}
+    started = time.perf_counter()
+    async with http.post(
+        session["base_url"] + "/chat/completions", data=orjson.dumps(body), headers=headers
+    ) as resp:
+        raw = await resp.read()
+    latency = time.perf_counter() - started
+    if resp.status != 200:
+        raise RuntimeError(f"the proxy answered {resp.status}: {raw[:300]!r}")
+    message = orjson.loads(raw)["choices"][0]["message"]
+    return {"role": "assistant", "content": message["content"]}, latency
+
+
+async def measure(
+    http: aiohttp.ClientSession, proxy: Server, n: int, tokens: int, run: int
+) -> tuple[float, list[float]]:
+    """CPU seconds per second turn, and the second turns' latencies, for `n` sessions."""
+    sessions, histories = [], []
+    for i in range(n):
+        async with http.post(proxy.url + "/sessions", json={"run_id": f"r{run}"}) as resp:
+            sessions.append(await resp.json())
+        messages = first_messages(tokens, i)
+        reply, _ = await turn(http, sessions[-1], messages, i)
+        histories.append([*messages, reply, {"role": "tool", "content": "1 passed"}])
+    await asyncio.sleep(0.5)  # the first turns' events written: not charged to the second
+    before = cpu_seconds([proxy.process.pid])
+    latencies = [
+        (await turn(http, s, m, i))[1] for i, (s, m) in enumerate(zip(sessions, histories))
+    ]
+    cpu = cpu_seconds([proxy.process.pid]) - before
+    return cpu / n, latencies
+
+
+async def continued_turns(http: aiohttp.ClientSession, proxy: Server) -> float:
+    async with http.get(proxy.url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("trajstore_chat_prompts_total") and 'source="continued"' in line
+    )
+
+
+async def main(args: argparse.Namespace) -> int:
+    dbs = Databases(await asyncio.to_thread(database_url))
+    servers = Servers()
+    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+    try:
+        await dbs.setup()
+        python = sys.executable
+        if args.vllm:
+            engine = await asyncio.to_thread(start_vllm, servers)
+        else:
+            engine = servers.start("engine", [python, "-c", ENGINE_MAIN, str(ROOT), "{port}"])
+        await servers.wait_ready(engine, http, "/health")
+        proxies = {}
+        for mode in ("tokens", "text"):
+            env = {**os.environ, "TRAJSTORE_DATABASE_URL": await dbs.fresh()}
+            env["TRAJSTORE_CONTINUATION"] = mode
+            argv = [python, "-m", "store", "proxy", "--engine", engine.url, "--port", "{port}"]
+            proxies[mode] = servers.start(f"trajstore-{mode}", argv, env=env)
+        for proxy in proxies.values():
+            await servers.wait_ready(proxy, http, "/health")
+
+        cpu: dict[str, list[float]] = {mode: [] for mode in proxies}
+        latency: dict[str, list[float]] = {mode: [] for mode in proxies}
+        await measure(http, proxies["tokens"], 2, args.context_tokens, -1)  # warm up
+        await measure(http, proxies["text"], 2, args.context_tokens, -1)
+        for run in range(args.runs):
+            order = ["tokens", "text"] if run % 2 == 0 else ["text", "tokens"]
+            for mode in order:
+                per_turn, times = await measure(
+                    http, proxies[mode], args.sessions, args.context_tokens, run
+                )
+                cpu[mode].append(per_turn)
+                latency[mode] += times
+        continued = await continued_turns(http, proxies["tokens"])
+        expected = args.sessions * args.runs + 2
+    finally:
+        await http.close()
+        servers.stop()
+        await dbs.drop_all()
+
+    engine_name = "vLLM (CPU), tiny model" if args.vllm else "fake engine"
+    print(f"continuation: {engine_name}, {args.context_tokens}-token contexts, "
+          f"{args.sessions} second turns x {args.runs} runs, one at a time")  # fmt: skip
+    print(f"{'':10}{'CPU ms/turn (median of runs)':>30}{'p50 ms':>10}{'p90 ms':>10}")
+    for mode in ("text", "tokens"):
+        cuts = statistics.quantiles(latency[mode], n=10)
+        print(f"{mode:10}{1e3 * statistics.median(cpu[mode]):30.3f}"
+              f"{1e3 * statistics.median(latency[mode]):10.2f}{1e3 * cuts[8]:10.2f}")  # fmt: skip
+    extra_cpu = statistics.median(cpu["tokens"]) - statistics.median(cpu["text"])
+    p50 = {mode: statistics.median(latency[mode]) for mode in latency}
+    print(f"a continued turn costs the proxy {1e3 * extra_cpu:+.3f} ms CPU "
+          f"(target <= +1 ms) and adds {1e3 * (p50['tokens'] - p50['text']):+.2f} ms "
+          f"= {p50['tokens'] / p50['text'] - 1:+.1%} to the turn's p50 (target <= +5%)")  # fmt: skip
+    if continued < expected:
+        print(f"FAILED: only {continued:g} of {expected} second turns were continued")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short run, for CI")
+    parser.add_argument("--context-tokens", type=int, help="context per turn [16000; vllm 1200]")
+    parser.add_argument("--sessions", type=int, help="second turns per run [40; quick 15]")
+    parser.add_argument("--runs", type=int, help="runs per proxy [3; quick 2]")
+    parser.add_argument("--vllm", action="store_true", help="against a real vLLM (CPU)")
+    args = parser.parse_args()
+    args.context_tokens = min(
+        args.context_tokens or (1200 if args.vllm else 16000), 1200 if args.vllm else 10**9
+    )
+    args.sessions = args.sessions or (15 if args.quick else 40)
+    args.runs = args.runs or (2 if args.quick else 3)
+    sys.exit(uvloop.run(main(args)))
