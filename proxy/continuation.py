@@ -23,20 +23,24 @@ messages as the agent sent them, exactly as without this module):
    order do not matter); reasoning fields ignored (the OpenAI API has no way to send them back).
 4. `new_messages_include_assistant`: N holds no assistant message (one would be text the model
    did not sample, or a later turn this replica has not seen: then the log is read first).
-5. `previous_not_stopped`: C_i ended on a stop token the engine sampled (finish_reason `stop`,
-   no stop string); a turn cut by `length` or a stop string ends where the template would not.
+5. `previous_not_stopped`: C_i ended on the engine's end of turn (finish_reason `stop` or
+   `tool_calls`), or was cut by `length`; not by a stop string (the ids sampled past the text
+   the agent got back), nor empty.
 6. `render_options_changed` / `non_text_content`: tools, chat template and its kwargs as in
    turn k; text content only.
 7. The engine renders (its `/tokenize`, which applies the model's own chat template):
        R = render(M + [A] + N, generation prompt)         what the engine would see from text
        S = render(BASE + N, gen) minus render(BASE)        the new messages, after a neutral BASE
-       E = render(BASE + [stub reply]) minus render(BASE)   how the template renders a reply
-   With t the last token of C_i, the glue g is what E puts after its last t (a ChatML template
-   ends a reply with `<|im_end|>` and then a newline, which the engine never samples).
-   `end_not_in_template`: E holds no t. `not_separable`: R does not end with t + g + S, i.e. the
-   new messages would not render the same after the real history, or the real reply does not
-   end as the template ends one. `engine_cannot_render`: the engine has no `/tokenize`, or the
-   template refused BASE (a template enforcing strict role alternation may).
+       E = what render(BASE + [reply "a"]) and render(BASE + [reply "b"]) end with alike:
+           how the template ends a reply (ChatML: `<|im_end|>` and a newline)
+   The glue g after the sampled ids is E without its first token when C_i ends with that
+   token (the engine stopped on the template's end of turn and sampled it), and all of E when
+   C_i was cut by `length` (the end of turn is the template's, as it would be from text, and
+   the projection gives it loss mask 0). `end_not_in_template`: C_i stopped on another token.
+   `not_separable`: R does not end with E + S, i.e. the new messages would not render the same
+   after the real history, or the real reply does not end as the template ends one.
+   `engine_cannot_render`: the engine has no `/tokenize`, or the template refused BASE (a
+   template enforcing strict role alternation may).
 8. The prompt is P + C_i + g + S. Where it differs from R first is the drift avoided (`None`
    when there is none: the template happened to re-render the sampled ids exactly).
 
@@ -72,7 +76,7 @@ log = logging.getLogger(__name__)
 
 #: The conversation the new messages are rendered after, to separate them from the history.
 BASE: list[dict[str, Any]] = [{"role": "user", "content": "."}]
-_STUB_REPLY: dict[str, Any] = {"role": "assistant", "content": "."}
+_STUB_REPLIES = ({"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"})
 
 #: Request fields that change how the template renders: a continuation needs them unchanged.
 RENDER_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "documents")
@@ -200,6 +204,14 @@ class _Refused(Exception):
     """The engine cannot render this conversation (no /tokenize, or the template refused it)."""
 
 
+def _common_end(a: list[int], b: list[int]) -> list[int]:
+    """The longest run of ids both lists end with."""
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return a[len(a) - n :]
+
+
 def _ends_with(ids: Sequence[int], tail: Sequence[int]) -> bool:
     return len(tail) <= len(ids) and list(ids[len(ids) - len(tail) :]) == list(tail)
 
@@ -322,8 +334,7 @@ class Continuer:
     async def _build(self, engine: Engine, body: dict[str, Any], turn: Turn, choice: int) -> Plan:
         messages = body["messages"]
         new = messages[turn.n_messages + 1 :]
-        completion = np.frombuffer(turn.choices[choice].tokens, TOKEN_DTYPE)
-        last = int(completion[-1])
+        ending = turn.choices[choice]
         (base, reply_end), with_new, text = await _gather(
             self._base(engine, body),
             self._render(engine, body, [*BASE, *new], generation=True),
@@ -332,16 +343,17 @@ class Continuer:
         if with_new[: len(base)] != base:
             return RENDERED._replace(fallback="not_separable")
         new_ids = with_new[len(base) :]
-        if last not in reply_end:
+        if ending.finish_reason == "length":
+            glue = reply_end
+        elif reply_end and np.frombuffer(ending.tokens, TOKEN_DTYPE)[-1] == reply_end[0]:
+            glue = reply_end[1:]
+        else:
             return RENDERED._replace(fallback="end_not_in_template")
-        glue = reply_end[len(reply_end) - reply_end[::-1].index(last) :]
-        if not _ends_with(text, [last, *glue, *new_ids]):
+        if not _ends_with(text, [*reply_end, *new_ids]):
             return RENDERED._replace(fallback="not_separable")
         # Packed through array('I') (store.tokens), not numpy: a long rendering is a list of
         # Python ints, and numpy converts those one by one.
-        packed = b"".join(
-            (turn.prompt, turn.choices[choice].tokens, encode_token_ids([*glue, *new_ids]))
-        )
+        packed = b"".join((turn.prompt, ending.tokens, encode_token_ids([*glue, *new_ids])))
         rendered = encode_token_ids(text)
         drift = None if packed == rendered else shared_prefix(packed, rendered)
         prompt = np.frombuffer(packed, TOKEN_DTYPE)
@@ -354,13 +366,13 @@ class Continuer:
         if cached is not None:
             self._bases.move_to_end(key)
             return cached
-        base, with_reply = await _gather(
+        base, *replies = await _gather(
             self._render(engine, body, BASE, generation=False),
-            self._render(engine, body, [*BASE, _STUB_REPLY], generation=False),
+            *(self._render(engine, body, [*BASE, r], generation=False) for r in _STUB_REPLIES),
         )
-        if with_reply[: len(base)] != base:
+        if any(reply[: len(base)] != base for reply in replies):
             raise _Refused("the template does not render a reply after BASE as an extension")
-        self._bases[key] = cached = (base, with_reply[len(base) :])
+        self._bases[key] = cached = (base, _common_end(*replies))
         while len(self._bases) > 256:
             self._bases.popitem(last=False)
         return cached
@@ -434,7 +446,8 @@ def _check(
     if any(m.get("role") == "assistant" for m in new):
         return "new_messages_include_assistant", None
     ending = turn.choices[choice]
-    if ending.finish_reason != "stop" or isinstance(ending.stop_reason, str) or not ending.tokens:
+    ended = ending.finish_reason in ("stop", "tool_calls", "length")
+    if not ended or isinstance(ending.stop_reason, str) or not ending.tokens:
         return "previous_not_stopped", None
     if not _same_options(body, turn) or not _renders_plainly(body):
         return "render_options_changed", None

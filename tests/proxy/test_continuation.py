@@ -184,15 +184,31 @@ async def test_n_choices_the_one_sent_back_is_continued(
     assert prompt[: len(base)] == base
 
 
-async def test_a_turn_cut_by_length_is_not_continued(proxy: RunningProxy) -> None:
+async def test_a_turn_cut_by_length_is_continued_after_the_templates_end_of_turn(
+    proxy: RunningProxy, database_url: str
+) -> None:
     session = await proxy.new_session()
     agent = proxy.agent(session)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "talk"}]
-    reply, _, completion = await take_turn(agent, messages, max_tokens=3)  # cut before eos
+    reply, prompt, completion = await take_turn(agent, messages, max_tokens=3)  # cut before eos
     assert EOS not in completion
-    await take_turn(agent, [*messages, reply, {"role": "user", "content": "go on"}])
+    _, next_prompt, _ = await take_turn(
+        agent, [*messages, reply, {"role": "user", "content": "go on"}]
+    )
     turn = (await record(proxy, session["session_id"]))["turns"][1]
-    assert turn["continuation"] == {"fallback": "previous_not_stopped"}
+    assert turn["continuation"] == {"choice": 0, "drift_at": None}
+    # The sampled ids, then the end of turn the template gives a reply, never sampled.
+    cut = len(prompt) + len(completion)
+    assert next_prompt[: cut + 2] == [*prompt, *completion, EOS, NEWLINE]
+    finish = f"{proxy.url}/sessions/{session['session_id']}/finish"
+    assert (await proxy.http.post(finish, json={"status": "completed"})).status_code == 200
+    store = await EventStore.open(database_url)
+    try:
+        events = await store.read_session(session["session_id"])
+    finally:
+        await store.close()
+    [sample] = build_samples(rebuild_session(session["session_id"], events, packed=True))
+    assert sample.loss_mask[cut - 3 : cut + 2] == [1, 1, 1, 0, 0]  # the end of turn: not learnt
 
 
 async def test_a_restarted_replica_continues_from_the_log(
