@@ -14,7 +14,8 @@ at the client. Runs alternate which proxy goes first, so both meet the same mach
 
 The engine is the fake engine (tests/proxy/fake_engine.py: it answers at once, and renders and
 tokenises a ChatML template for real, one id per word), or with `--vllm` the real vLLM (CPU) on
-the generated tiny model, whose 2,048-token window caps the context (250 words). The run fails when a second turn of the `tokens` proxy was not continued.
+the generated tiny model, whose 2,048-token window caps the context (250 words). The run fails
+when a second turn of the `tokens` proxy was not continued.
 
 The database is TRAJSTORE_DATABASE_URL's server, else the embedded one.
 """
@@ -103,9 +104,9 @@ async def measure(
         histories.append([*messages, reply, {"role": "tool", "content": "1 passed"}])
     await asyncio.sleep(0.5)  # the first turns' events written: not charged to the second
     before = cpu_seconds([proxy.process.pid])
-    latencies = [
-        (await turn(http, s, m, i))[1] for i, (s, m) in enumerate(zip(sessions, histories, strict=True))
-    ]
+    latencies = []
+    for i, (session, messages) in enumerate(zip(sessions, histories, strict=True)):
+        latencies.append((await turn(http, session, messages, i))[1])
     cpu = cpu_seconds([proxy.process.pid]) - before
     return cpu / n, latencies
 
