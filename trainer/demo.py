@@ -261,11 +261,15 @@ def summary_queries(run_id: str) -> dict[str, str]:
             f"FROM turns WHERE run_id = '{run}' AND status = 'completed'\n"
             "GROUP BY finish_reason ORDER BY turns DESC"
         ),
-        "divergences": (
-            "SELECT reason, count(DISTINCT session_id) AS sessions\n"
-            "FROM trajectories, unnest(divergence_reasons) AS reason\n"
-            f"WHERE run_id = '{run}'\n"
-            "GROUP BY reason ORDER BY sessions DESC"
+        # One sample per session when every turn extends the last (proxy.continuation).
+        "samples and divergences": (
+            "SELECT count(*) AS sessions, sum(turns) AS turns,\n"
+            "       sum(continued_turns) AS continued_turns, sum(drift_avoided) AS drift_avoided,\n"
+            "       (SELECT count(*) FROM samples s JOIN projection_serving p\n"
+            "          ON p.name = 'samples' AND s.projection_version = p.version\n"
+            f"        WHERE s.run_id = '{run}' AND s.alternative_of IS NULL) AS samples,\n"
+            "       sum(divergences) AS divergences\n"
+            f"FROM trajectories WHERE run_id = '{run}'"
         ),
     }
 

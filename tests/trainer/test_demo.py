@@ -59,7 +59,7 @@ async def test_demo_runs_agents_through_the_proxy_and_summarises_them(
     out, err = out_bytes.decode(), err_bytes.decode()
     assert child.returncode == 0, err
     assert "2 sessions (2 completed), 4 model calls" in " ".join(out.split())
-    for title in ("rewards per task", "how completions ended", "divergences"):
+    for title in ("rewards per task", "how completions ended", "samples and divergences"):
         assert title in out
     assert "FROM trajectories WHERE run_id = 'demo-test'" in out  # the SQL, as a reader pastes it
     assert "training: none" in out  # the engine was given: no local weights to train
@@ -69,12 +69,18 @@ async def test_demo_runs_agents_through_the_proxy_and_summarises_them(
         sessions = await store.pool.fetchval(
             "SELECT count(DISTINCT session_id) FROM samples WHERE run_id = 'demo-test'"
         )
+        samples, divergences = await store.pool.fetchrow(
+            "SELECT (SELECT count(*) FROM samples WHERE run_id = 'demo-test'), "
+            "sum(divergences) FROM trajectories WHERE run_id = 'demo-test'"
+        )
         rewards = await store.pool.fetch(
             "SELECT payload FROM events WHERE run_id = 'demo-test' AND event_type = $1",
             EventType.REWARD_ASSIGNED.value,
         )
     assert sessions == 2
     assert len(rewards) == 2
+    # The toy agents send back what they were given: each session is one sample, continued.
+    assert samples == 2 and divergences == 0
     for row in rewards:
         payload = json.loads(row["payload"])
         assert set(payload["components"]) == {"valid_tool_call", "correct", "numeric"}
