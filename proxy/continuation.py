@@ -65,6 +65,7 @@ import aiohttp
 import numpy as np
 import orjson
 
+from proxy.apis import TRANSLATIONS
 from proxy.engines import Engine
 from proxy.errors import ProxyError
 from proxy.replicas import Replicas
@@ -184,6 +185,7 @@ class Turn:
     messages: bytes  #: its messages as orjson serialises them
     render_key: bytes
     choices: tuple[Ending, ...]
+    api: str = "chat"  #: the API it came in (its messages are the chat ones it was sent as)
     #: For a turn read from the log: its messages and render options, parsed. PostgreSQL's
     #: jsonb does not keep key order, so these are compared as values, not as bytes.
     from_log: tuple[list[Any], list[Any]] | None = None
@@ -218,8 +220,15 @@ def _ends_with(ids: Sequence[int], tail: Sequence[int]) -> bool:
 
 def turn_from_record(record: TurnRecord) -> Turn | None:
     """A completed chat turn as rebuilt from the log (`rebuild_session(packed=True)`), or None."""
-    messages = record.body.get("messages")
-    if record.api != "chat" or record.status != "completed" or not isinstance(messages, list):
+    translation = TRANSLATIONS.get(record.api)
+    if record.status != "completed" or (record.api != "chat" and translation is None):
+        return None
+    try:
+        chat = record.body if translation is None else translation.to_chat(record.body)
+    except ProxyError:
+        return None
+    messages = chat.get("messages")
+    if not isinstance(messages, list):
         return None
     if not isinstance(record.prompt_token_ids, bytes) or not record.choices:
         return None
@@ -230,7 +239,7 @@ def turn_from_record(record: TurnRecord) -> Turn | None:
             return None
         tokens = choice.token_ids if isinstance(choice.token_ids, bytes) else b""
         endings.append(Ending(tokens, choice.finish_reason, choice.stop_reason, choice.message))
-    options = [record.body.get(field) for field in RENDER_FIELDS]
+    options = [chat.get(field) for field in RENDER_FIELDS]
     return Turn(
         record.request_id,
         record.prompt_token_ids,
@@ -238,6 +247,7 @@ def turn_from_record(record: TurnRecord) -> Turn | None:
         b"",
         b"",
         tuple(endings),
+        api=record.api,
         from_log=(messages, options),
     )
 
@@ -259,7 +269,7 @@ async def last_turn_in_log(
         log.info("continuation reads %s's log without every replica's writes: %s", session_id, exc)
     record = rebuild_session(session_id, await store.read_session(session_id), packed=True)
     for turn in reversed(record.turns):
-        if turn.status == "completed" and turn.api == "chat":
+        if turn.status == "completed" and turn.api != "completions":
             return turn_from_record(turn)
     return None
 
@@ -315,6 +325,8 @@ class Continuer:
         messages: list[Any] = body["messages"]
         if not self.enabled or not _has_history(messages):
             return RENDERED
+        if turn is not None and turn.n_messages == 0:
+            turn = None  # a completions turn: nothing a chat request can continue
         if turn is None or _needs_later_turn(messages, turn, messages_json):
             turn = await read_log() or turn
         if turn is None:

@@ -12,6 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -19,9 +20,10 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from proxy.apis import TRANSLATIONS, Translation
 from proxy.continuation import RENDERED, Continuer, Plan, Turn
 from proxy.engines import Engine, EnginePool, NoHealthyEngine
-from proxy.errors import BadRequest, EngineFailed, Overloaded, from_bug
+from proxy.errors import BadRequest, EngineFailed, Overloaded, ProxyError, from_bug
 from proxy.metrics import ProxyMetrics
 from proxy.recorder import PromptContexts, RequestRecorder, new_request_id
 from proxy.sessions import Session
@@ -103,13 +105,18 @@ class Forwarder:
     async def handle(
         self, api: Api, session: Session, raw: bytes, extra_headers: dict[str, str] | None = None
     ) -> Response:
-        """Answer one request of `session` to `api` (chat or completions).
+        """Answer one request of `session` to `api`: chat or completions, or an API translated
+        to chat (`proxy.apis`).
 
         `extra_headers` (the agent's own `X-*` headers, such as vLLM's X-Request-Id) are passed
         on to the engine; the agent's key never is.
         """
         body = parse_body(api, raw)
-        asked = asked_for(api, body)
+        translation = TRANSLATIONS.get(api)
+        if translation is None:
+            chat, asked = body, asked_for(api, body)
+        else:
+            chat, asked = translation.to_chat(body), Asked(False, False, False)
         if self.writer.saturated:
             raise Overloaded(
                 "the recorder is behind; retry shortly", retry_after=self.writer.retry_after()
@@ -118,20 +125,24 @@ class Forwarder:
             engine = self.engines.choose(session.session_id)
         except NoHealthyEngine as exc:
             raise Overloaded(str(exc), retry_after=2.0) from None
+        request_id = new_request_id()
+        reply = Reply(asked, translation, body, request_id)
         recorder = RequestRecorder(
             self.writer,
             session_id=session.session_id,
             run_id=session.run_id,
-            request_id=new_request_id(),
+            request_id=request_id,
             chunk_tokens=self.settings.chunk_tokens,
             previous=self.contexts.get(session.session_id),
             on_completed=functools.partial(self.contexts.remember, session.session_id),
             on_prompt=functools.partial(self._prompt_sent, engine),
+            finish_reason_in_api=None if translation is None else translation.finish_reason,
         )
         try:
             received = recorder.received_event(
                 api=api,
                 body=body,
+                chat=chat,
                 engine=engine.url,
                 policy_version=engine.policy_version,
                 logprobs_mode=self.settings.logprobs_mode,
@@ -141,15 +152,17 @@ class Forwarder:
             raise BadRequest(f"the request cannot be recorded: {exc}") from None
         await recorder.emit(received)
         self.metrics.requests_started.labels(api=api).inc()
-        if api == "chat":
-            recorder.plan = await self._plan(engine, session.session_id, body, recorder)
+        engine_api: Api = "completions" if api == "completions" else "chat"
+        if engine_api == "chat":
+            recorder.plan = await self._plan(engine, session.session_id, chat, recorder)
         payload = orjson.dumps(
-            engine_body(api, body, recorder.plan.token_ids), option=orjson.OPT_SERIALIZE_NUMPY
+            engine_body(engine_api, chat, recorder.plan.token_ids),
+            option=orjson.OPT_SERIALIZE_NUMPY,
         )
         headers = self._headers(extra_headers)
-        if body.get("stream"):
-            return await self._stream(api, engine, payload, headers, recorder, asked)
-        return await self._complete(api, engine, payload, headers, recorder, asked)
+        if chat.get("stream"):
+            return await self._stream(api, engine, payload, headers, recorder, reply)
+        return await self._complete(api, engine, payload, headers, recorder, reply)
 
     # -- non-streaming --------------------------------------------------------------------------
 
@@ -160,7 +173,7 @@ class Forwarder:
         payload: bytes,
         headers: dict[str, str],
         recorder: RequestRecorder,
-        asked: Asked,
+        reply: Reply,
     ) -> Response:
         timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
         with self.engines.lease(engine):
@@ -173,7 +186,7 @@ class Forwarder:
             except BaseException as exc:
                 raise await self._engine_failure(api, engine, recorder, exc) from None
         if status != 200:
-            return await self._engine_refusal(api, recorder, status, raw)
+            return await self._engine_refusal(api, recorder, status, raw, reply)
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -184,7 +197,7 @@ class Forwarder:
         recorder.record(extracted)
         await recorder.finished(extracted.usage)
         self._observe(api, recorder, extracted.usage)
-        return Response(orjson.dumps(strip(data, asked, streaming=False)), media_type=_JSON)
+        return Response(reply.answer(data), media_type=_JSON)
 
     # -- streaming ------------------------------------------------------------------------------
 
@@ -195,7 +208,7 @@ class Forwarder:
         payload: bytes,
         headers: dict[str, str],
         recorder: RequestRecorder,
-        asked: Asked,
+        reply: Reply,
     ) -> Response:
         timeout = aiohttp.ClientTimeout(sock_read=self.settings.request_timeout)
         release = self.engines.acquire(engine)
@@ -213,7 +226,7 @@ class Forwarder:
             finally:
                 resp.release()
                 release()
-            return await self._engine_refusal(api, recorder, resp.status, raw)
+            return await self._engine_refusal(api, recorder, resp.status, raw, reply)
 
         closed = False
 
@@ -229,7 +242,7 @@ class Forwarder:
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for chunk in self._relay(api, engine, resp, recorder, asked):
+                async for chunk in self._relay(api, engine, resp, recorder, reply):
                     yield chunk
             finally:
                 await close()
@@ -242,11 +255,11 @@ class Forwarder:
         engine: Engine,
         resp: aiohttp.ClientResponse,
         recorder: RequestRecorder,
-        asked: Asked,
+        reply: Reply,
     ) -> AsyncIterator[bytes]:
         # Events are relayed as they arrive, but everything that arrived in one read goes to the
         # agent in one write: per-event writes through the ASGI stack cost more than the relay.
-        relay = _StreamRelay(api, recorder, asked)
+        relay = _StreamRelay(api, recorder, reply)
         pending = b""
         try:
             async for data in resp.content.iter_any():
@@ -270,7 +283,7 @@ class Forwarder:
             message = f"the engine stream broke off: {type(exc).__name__}: {exc}"
             await recorder.failed(reason, message)
             self._count(api, 502)
-            yield _sse(EngineFailed(message).body())
+            yield relay.error(EngineFailed(message))
             return
         except Exception as exc:
             # A bug of ours, mid-stream: the status line is sent, so the agent learns of it in
@@ -278,7 +291,7 @@ class Forwarder:
             log.exception("relaying a stream failed")
             await recorder.failed("proxy_error", f"{type(exc).__name__}: {exc}")
             self._count(api, 500)
-            yield _sse(from_bug(exc).body())
+            yield relay.error(from_bug(exc))
             return
         if relay.done and not recorder.ended:
             await recorder.finished(relay.usage)
@@ -286,7 +299,7 @@ class Forwarder:
         elif not relay.done:
             await recorder.failed("engine_error", "the engine closed the stream before [DONE]")
             self._count(api, 502)
-            yield _sse(EngineFailed("the engine closed the stream before it was complete").body())
+            yield relay.error(EngineFailed("the engine closed the stream before it was complete"))
 
     # -- continuation ---------------------------------------------------------------------------
 
@@ -344,15 +357,20 @@ class Forwarder:
         return exc
 
     async def _engine_refusal(
-        self, api: Api, recorder: RequestRecorder, status: int, raw: bytes
+        self, api: Api, recorder: RequestRecorder, status: int, raw: bytes, reply: Reply
     ) -> Response:
-        """The engine refused the request: record it, pass its (OpenAI-shaped) error on."""
+        """The engine refused the request: record it, pass its (OpenAI-shaped) error on, in the
+        agent's API's shape."""
         try:
             message = str(orjson.loads(raw).get("error", {}).get("message"))
         except (orjson.JSONDecodeError, AttributeError):
             message = raw[:500].decode(errors="replace")
         await recorder.failed("engine_error", message, status)
         self._count(api, status)
+        if reply.translation is not None:
+            error = BadRequest(message) if status == 400 else EngineFailed(message, status=status)
+            error.status = status
+            raw = orjson.dumps(reply.translation.error_body(error))
         return Response(raw, status_code=status, media_type=_JSON)
 
     def _count(self, api: Api, status: int) -> None:
@@ -373,13 +391,34 @@ def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
+@dataclass
+class Reply:
+    """How the engine's answers go back to the agent: as the engine gave them, less what the
+    agent did not ask for (chat, completions), or translated into its API (`proxy.apis`)."""
+
+    asked: Asked
+    translation: Translation | None
+    body: dict[str, Any]  #: the agent's request
+    request_id: str
+
+    def answer(self, data: dict[str, Any]) -> bytes:
+        """A whole answer, as the agent's API gives it."""
+        if self.translation is None:
+            return orjson.dumps(strip(data, self.asked, streaming=False))
+        return orjson.dumps(self.translation.answer(data, self.body, self.request_id))
+
+
 class _StreamRelay:
     """One stream's events: record what they carry, give back what the agent asked for."""
 
-    def __init__(self, api: Api, recorder: RequestRecorder, asked: Asked) -> None:
-        self.api = api
+    def __init__(self, api: Api, recorder: RequestRecorder, reply: Reply) -> None:
+        self.api: Api = "completions" if api == "completions" else "chat"  # what the engine speaks
         self.recorder = recorder
-        self.asked = asked
+        self.asked = asked = reply.asked
+        translation = reply.translation
+        self.translator = (
+            None if translation is None else translation.stream(reply.body, reply.request_id)
+        )
         # When the agent asked for everything the proxy adds, events pass through unchanged.
         self.verbatim = asked.token_ids and asked.logprobs and asked.usage
         self.usage: dict[str, Any] | None = None
@@ -394,14 +433,18 @@ class _StreamRelay:
         data = data[5:].strip()
         if data == b"[DONE]":
             self.done = True
-            return b"data: [DONE]\n\n"
+            return b"data: [DONE]\n\n" if self.translator is None else self.translator.end()
         chunk = orjson.loads(data)
         if "error" in chunk and "choices" not in chunk:
             self.engine_error = str((chunk["error"] or {}).get("message"))
+            if self.translator is not None:
+                return self.translator.error(EngineFailed(self.engine_error))
             return b"data: " + data + b"\n\n"
         extracted = extract(self.api, chunk)
         self.recorder.record(extracted)
         self.usage = extracted.usage or self.usage
+        if self.translator is not None:
+            return self.translator.chunk(chunk)
         if self.verbatim:
             return b"data: " + data + b"\n\n"
         if not chunk.get("choices") and extracted.usage and not self.asked.usage:
@@ -409,3 +452,7 @@ class _StreamRelay:
         if not self.asked.usage:
             chunk.pop("usage", None)
         return _sse(strip(chunk, self.asked, streaming=True))
+
+    def error(self, error: ProxyError) -> bytes:
+        """The event that tells the agent its stream failed, in its API's shape."""
+        return _sse(error.body()) if self.translator is None else self.translator.error(error)

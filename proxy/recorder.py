@@ -106,10 +106,12 @@ class RequestRecorder:
         previous: Turn | None = None,
         on_completed: Callable[[Turn], None] | None = None,
         on_prompt: Callable[[Plan], None] | None = None,
+        finish_reason_in_api: Callable[[str | None, Any], str | None] | None = None,
     ) -> None:
         """`previous`: the session's last completed turn, which this turn's prompt and messages
         may reference; `on_completed`: told this turn as a `Turn` once it finished; `on_prompt`:
-        told how the prompt reached the engine once the engine echoed it."""
+        told how the prompt reached the engine once the engine echoed it;
+        `finish_reason_in_api`: a translated API's name for a chat finish reason (`proxy.apis`)."""
         self.writer = writer
         self.session_id = session_id
         self.run_id = run_id
@@ -127,11 +129,13 @@ class RequestRecorder:
         self.previous = previous
         self.on_completed = on_completed
         self.on_prompt = on_prompt
+        self.finish_reason_in_api = finish_reason_in_api
         self.plan: Plan = RENDERED  #: how the prompt is sent (`proxy.continuation`)
         self._prompt: bytes | None = None  # packed, whole
         self._completions: dict[int, list[bytes]] = {}  # each choice's recorded chunks, packed
         self._messages: tuple[int, bytes] = (0, b"")  # chat: how many messages, as JSON
         self._render_key = b""
+        self.api: str = "chat"
 
     def received_event(
         self,
@@ -142,24 +146,34 @@ class RequestRecorder:
         policy_version: str,
         logprobs_mode: str,
         asked: Asked,
+        chat: dict[str, Any] | None = None,
     ) -> NewEvent:
-        """Build (and so validate) the request_received event, before anything is forwarded."""
+        """Build (and so validate) the request_received event, before anything is forwarded.
+
+        `body` is the agent's request as it sent it; `chat` the chat request it was translated
+        to (`proxy.apis`; the body itself for chat): its sampling, messages and render options
+        are what the next turn is compared with.
+        """
+        chat = body if chat is None else chat
+        self.api = api
         payload = {
             "request_id": self.request_id,
             "api": api,
             "body": body,
-            "sampling": sampling_of(body),
+            "sampling": sampling_of(chat),
             "engine": engine,
             "policy_version": policy_version,
             "logprobs_mode": logprobs_mode,
-            "stream": bool(body.get("stream")),
+            "stream": bool(chat.get("stream")),
             "asked": asked.as_json(),
             "received_at": time.time(),
         }
-        messages = body.get("messages")
-        if api == "chat" and isinstance(messages, list):
+        messages = chat.get("messages")
+        if api != "completions" and isinstance(messages, list):
             self._messages = (len(messages), orjson.dumps(messages))
-            self._render_key = render_key(body)
+            self._render_key = render_key(chat)
+        if api == "chat" and isinstance(messages, list):
+            # Only chat stores messages by reference: the other APIs' bodies are their own.
             reference = self._messages_reference()
             if reference is not None:
                 payload["body"] = {**body, "messages": messages[reference["n_messages"] :]}
@@ -180,7 +194,7 @@ class RequestRecorder:
         JSON values delimit themselves, so the first messages are the same values.
         """
         previous = self.previous
-        if previous is None or previous.n_messages == 0:
+        if previous is None or previous.n_messages == 0 or previous.api != "chat":
             return None
         before, now = previous.messages, self._messages[1]
         cut = len(before) - 1
@@ -222,15 +236,17 @@ class RequestRecorder:
         choices = []
         for index in sorted(self._choices):
             buffer = self._choices[index]
-            choices.append(
-                {
-                    "index": index,
-                    "finish_reason": buffer.finish_reason,
-                    "stop_reason": buffer.stop_reason,
-                    "message": buffer.message or self._streamed_message(buffer),
-                    "n_tokens": buffer.n_tokens,
-                }
-            )
+            choice = {
+                "index": index,
+                "finish_reason": buffer.finish_reason,
+                "stop_reason": buffer.stop_reason,
+                "message": buffer.message or self._streamed_message(buffer),
+                "n_tokens": buffer.n_tokens,
+            }
+            if self.finish_reason_in_api is not None:
+                ending = self.finish_reason_in_api(buffer.finish_reason, buffer.stop_reason)
+                choice["api_finish_reason"] = ending
+            choices.append(choice)
         now = time.monotonic()
         payload = {
             "choices": choices,
@@ -257,7 +273,13 @@ class RequestRecorder:
         )
         n_messages, messages = self._messages
         return Turn(
-            self.request_id, self._prompt or b"", n_messages, messages, self._render_key, endings
+            self.request_id,
+            self._prompt or b"",
+            n_messages,
+            messages,
+            self._render_key,
+            endings,
+            api=self.api,
         )
 
     async def failed(self, reason: str, message: str, status: int | None = None) -> None:

@@ -18,11 +18,15 @@ import orjson
 
 from proxy.errors import BadRequest
 
-Api = Literal["chat", "completions"]
+#: The agent APIs: OpenAI chat and completions, and two served over the engine's chat
+#: completions by translation (`proxy.apis`): Anthropic Messages and OpenAI Responses.
+Api = Literal["chat", "completions", "messages", "responses"]
 
 ENGINE_PATHS: dict[str, str] = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
+    "messages": "/v1/chat/completions",
+    "responses": "/v1/chat/completions",
 }
 
 #: The request fields that shape sampling, recorded with every turn for the trainer.
@@ -55,6 +59,8 @@ def parse_body(api: Api, raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    if api in ("messages", "responses"):
+        return body  # checked as it is translated (proxy.apis)
     if api == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -173,10 +179,10 @@ def _logprobs_of(api: Api, choice: dict[str, Any], n_tokens: int) -> list[float]
     block = choice.get("logprobs")
     if not isinstance(block, dict):
         return None
-    if api == "chat":
-        values = [entry.get("logprob") for entry in block.get("content") or ()]
-    else:
+    if api == "completions":
         values = list(block.get("token_logprobs") or ())
+    else:
+        values = [entry.get("logprob") for entry in block.get("content") or ()]
     if len(values) != n_tokens:
         return None  # the record keeps the ids; a mismatch is never papered over
     if None in values:  # vLLM's null for a token of probability 0
