@@ -5,7 +5,9 @@
     POST /sessions/{id}/reward | finish | discard
     POST /sessions/{id}/v1/chat/completions         OpenAI-compatible, per session base URL
     POST /sessions/{id}/v1/completions              (these and the X-Session-Id variants under
-    POST /v1/chat/completions, /v1/completions       /v1 are served by `proxy.model_calls`)
+    POST /sessions/{id}/v1/messages[/count_tokens]   /v1 are served by `proxy.model_calls`)
+    POST /sessions/{id}/v1/responses
+    POST /v1/chat/completions, /v1/completions, /v1/messages, /v1/responses
     GET  /sessions/{id}/v1/models
     GET  /health, /metrics
     GET  /admin/engines, POST /admin/engines/policy-version
@@ -198,10 +200,16 @@ def _require_session_key(
 
 
 class SessionCreated(BaseModel):
-    """What `POST /sessions` returns: where the agent points its OpenAI client."""
+    """What `POST /sessions` returns: where the agent points its client.
+
+    OpenAI clients take `base_url` (`OPENAI_BASE_URL`), which ends in /v1; the Anthropic SDK and
+    Claude-Code-style CLIs take `anthropic_base_url` (`ANTHROPIC_BASE_URL`), to which they add
+    /v1/messages themselves. The same `api_key` serves both.
+    """
 
     session_id: str
     base_url: str
+    anthropic_base_url: str
     api_key: str
     run_id: str
 
@@ -226,6 +234,7 @@ def _add_routes(app: FastAPI) -> None:
         return SessionCreated(
             session_id=session.session_id,
             base_url=f"{state.public_url}/sessions/{session.session_id}/v1",
+            anthropic_base_url=f"{state.public_url}/sessions/{session.session_id}",
             api_key=state.registry.key_for(session.session_id),
             run_id=session.run_id,
         )

@@ -21,6 +21,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from proxy.apis import TRANSLATIONS, Translation
+from proxy.apis.messages import chat_messages, chat_tools
 from proxy.continuation import RENDERED, Continuer, Plan, Turn
 from proxy.engines import Engine, EnginePool, NoHealthyEngine
 from proxy.errors import BadRequest, EngineFailed, Overloaded, ProxyError, from_bug
@@ -163,6 +164,39 @@ class Forwarder:
         if chat.get("stream"):
             return await self._stream(api, engine, payload, headers, recorder, reply)
         return await self._complete(api, engine, payload, headers, recorder, reply)
+
+    async def count_tokens(self, session: Session, raw: bytes) -> Response:
+        """Anthropic's `count_tokens`: the prompt a Messages request would be, counted by the
+        engine's own chat template (its `/tokenize`). Nothing is generated, so nothing recorded."""
+        body = parse_body("messages", raw)
+        request: dict[str, Any] = {
+            "model": body.get("model"),
+            "messages": chat_messages(body),
+            "add_generation_prompt": True,
+        }
+        if body.get("tools"):
+            request["tools"] = chat_tools(body["tools"])
+        try:
+            engine = self.engines.choose(session.session_id)
+        except NoHealthyEngine as exc:
+            raise Overloaded(str(exc), retry_after=2.0) from None
+        timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
+        try:
+            async with self.http.post(
+                engine.url + "/tokenize", data=orjson.dumps(request),
+                headers=self._headers(None), timeout=timeout,
+            ) as resp:  # fmt: skip
+                status, answer = resp.status, await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EngineFailed(f"the engine at {engine.url} cannot count tokens: {exc}") from None
+        if status != 200:
+            message = (
+                f"the engine could not render the messages: {answer[:500].decode(errors='replace')}"
+            )
+            error = BadRequest(message) if status == 400 else EngineFailed(message, status=status)
+            raise error
+        count = orjson.loads(answer).get("count")
+        return Response(orjson.dumps({"input_tokens": count}), media_type=_JSON)
 
     # -- non-streaming --------------------------------------------------------------------------
 

@@ -2,6 +2,9 @@
 
     POST /sessions/{id}/v1/chat/completions     POST /v1/chat/completions   (X-Session-Id)
     POST /sessions/{id}/v1/completions          POST /v1/completions        (X-Session-Id)
+    POST /sessions/{id}/v1/messages             POST /v1/messages           (Anthropic)
+    POST /sessions/{id}/v1/messages/count_tokens
+    POST /sessions/{id}/v1/responses            POST /v1/responses          (OpenAI Responses)
 
 These are the proxy's hot path: every turn of every agent comes through here, and a stream sends
 dozens of writes. Measured here, FastAPI's routing, dependency injection and middleware layers
@@ -15,11 +18,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from proxy.apis import TRANSLATIONS
 from proxy.auth import require_session_key
 from proxy.errors import (
     BadRequest,
@@ -34,10 +38,20 @@ from store import StoreError
 
 log = logging.getLogger(__name__)
 
-_APIS: dict[str, Api] = {"chat/completions": "chat", "completions": "completions"}
+#: Headers of the agent's that never reach the engine.
+_KEPT = frozenset({"x-session-id", "x-api-key"})
+
+#: Path (after /v1/) -> API. `count_tokens` is Anthropic's, answered without the model.
+_APIS: dict[str, Api | Literal["count_tokens"]] = {
+    "chat/completions": "chat",
+    "completions": "completions",
+    "messages": "messages",
+    "messages/count_tokens": "count_tokens",
+    "responses": "responses",
+}
 
 
-def match(path: str) -> tuple[Api, str | None] | None:
+def match(path: str) -> tuple[Api | Literal["count_tokens"], str | None] | None:
     """(api, session id from the path or None) for a model-call path, else None."""
     if path.startswith("/v1/"):
         api = _APIS.get(path[4:])
@@ -48,6 +62,15 @@ def match(path: str) -> tuple[Api, str | None] | None:
         if api is not None and session_id and "/" not in session_id:
             return api, session_id
     return None
+
+
+def presented_key(headers: dict[str, str]) -> str | None:
+    """The caller's key as an `Authorization` value: OpenAI clients send a Bearer token, the
+    Anthropic SDK its `x-api-key` (Claude-Code-style CLIs either, per their settings)."""
+    authorization = headers.get("authorization")
+    if authorization is None and "x-api-key" in headers:
+        return f"Bearer {headers['x-api-key']}"
+    return authorization
 
 
 class ModelCalls:
@@ -69,22 +92,27 @@ class ModelCalls:
             await self.app(scope, receive, send)
             return
         api, session_id = route
+        shape = "messages" if api == "count_tokens" else api
         try:
             response = await self._respond(scope, receive, api, session_id)
         except ProxyError as exc:
-            await send_error(send, exc)
+            await send_error(send, exc, shape)
             return
         except StoreError as exc:
-            await send_error(send, from_store_error(exc))
+            await send_error(send, from_store_error(exc), shape)
             return
-        except Exception as exc:  # a bug of ours: logged, and answered in OpenAI's shape
+        except Exception as exc:  # a bug of ours: logged, and answered in the API's shape
             log.exception("serving a model call failed")
-            await send_error(send, from_bug(exc))
+            await send_error(send, from_bug(exc), shape)
             return
         await response(scope, receive, send)
 
     async def _respond(
-        self, scope: Scope, receive: Receive, api: Api, session_id: str | None
+        self,
+        scope: Scope,
+        receive: Receive,
+        api: Api | Literal["count_tokens"],
+        session_id: str | None,
     ) -> Any:
         state = self.state()
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
@@ -95,13 +123,16 @@ class ModelCalls:
                 "or send the X-Session-Id header"
             )
         require_session_key(
-            state.registry, state.settings.api_key, session_id, headers.get("authorization"),
+            state.registry, state.settings.api_key, session_id, presented_key(headers),
             model_call=True,
         )  # fmt: skip
         check_declared(headers.get("content-length", ""), self.max_body_bytes)
         body = await self._read_body(receive)
         session = await state.registry.ready_for_requests(session_id)
-        passed_on = {k: v for k, v in headers.items() if k.startswith("x-") and k != "x-session-id"}
+        if api == "count_tokens":
+            return await state.forwarder.count_tokens(session, body)
+        # The agent's own X-* headers go on to the engine (vLLM's X-Request-Id); its key never.
+        passed_on = {k: v for k, v in headers.items() if k.startswith("x-") and k not in _KEPT}
         return await state.forwarder.handle(api, session, body, passed_on)
 
     async def _read_body(self, receive: Receive) -> bytes:
@@ -163,9 +194,10 @@ def limited(receive: Receive, limit: int) -> Receive:
     return counting_receive
 
 
-async def send_error(send: Send, error: ProxyError) -> None:
-    """Answer with an error in OpenAI's shape, straight over ASGI."""
-    body = orjson.dumps(error.body())
+async def send_error(send: Send, error: ProxyError, api: str = "chat") -> None:
+    """Answer with an error in the API's shape (OpenAI's by default), straight over ASGI."""
+    translation = TRANSLATIONS.get(api)
+    body = orjson.dumps(error.body() if translation is None else translation.error_body(error))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers().items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})

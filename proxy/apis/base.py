@@ -1,0 +1,168 @@
+"""What a translated API provides (`Translation`), and the pieces both translations share: text
+content, tool-call arguments, the engine's answer read as one assistant message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+
+from proxy.errors import BadRequest, ProxyError
+
+
+class StreamTranslation(Protocol):
+    """One stream's chat chunks, as the agent's API streams them."""
+
+    def chunk(self, chunk: dict[str, Any]) -> bytes:
+        """The bytes to send the agent for one engine chunk (b"" for none)."""
+        ...
+
+    def end(self) -> bytes:
+        """The bytes that close the stream, once the engine sent [DONE]."""
+        ...
+
+    def error(self, error: ProxyError) -> bytes:
+        """The bytes that tell the agent the stream failed."""
+        ...
+
+
+class Translation(Protocol):
+    """One agent API, to and from the engine's chat completions."""
+
+    def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The chat request the agent's request means; `BadRequest` saying what to fix."""
+        ...
+
+    def answer(self, chat: dict[str, Any], body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        """The agent's answer, from the engine's chat answer."""
+        ...
+
+    def stream(self, body: dict[str, Any], request_id: str) -> StreamTranslation:
+        """A translator for one stream."""
+        ...
+
+    def error_body(self, error: ProxyError) -> dict[str, Any]:
+        """An error in the API's own shape."""
+        ...
+
+    def finish_reason(self, finish_reason: str | None, stop_reason: Any) -> str | None:
+        """A chat finish reason in the API's own taxonomy (recorded beside the common one)."""
+        ...
+
+
+def text_content(parts: list[str]) -> str | list[dict[str, str]]:
+    """Chat content for text blocks: one string, or text parts that the engine joins as the
+    model's chat template expects (vLLM: per the template's content format)."""
+    if len(parts) == 1:
+        return parts[0]
+    return [{"type": "text", "text": part} for part in parts]
+
+
+def refuse_media(kind: Any, param: str) -> BadRequest:
+    """The 400 for content the proxy cannot pass on yet."""
+    return BadRequest(
+        f"content of type {kind!r} is not supported: send text only "
+        "(images and files wait for multi-modal recording)",
+        param=param,
+    )
+
+
+def parsed_arguments(raw: Any) -> Any:
+    """A tool call's arguments as a JSON value (the raw string when it is not JSON)."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw
+
+
+def serialised_arguments(value: Any) -> str:
+    """Tool-call arguments as chat carries them: a JSON string."""
+    return value if isinstance(value, str) else orjson.dumps(value).decode()
+
+
+@dataclass
+class AssistantTurn:
+    """The engine's answer as one assistant message: what both APIs translate back."""
+
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chat's shape, merged
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # chat's logprobs.content
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def of_answer(cls, chat: dict[str, Any]) -> AssistantTurn:
+        """The first choice of a non-streamed chat answer."""
+        turn = cls()
+        choices = chat.get("choices") or [{}]
+        choice = choices[0]
+        message = choice.get("message") or {}
+        turn.text = message.get("content") or ""
+        turn.reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+        turn.tool_calls = list(message.get("tool_calls") or ())
+        turn.finish_reason = choice.get("finish_reason")
+        turn.stop_reason = choice.get("stop_reason")
+        turn.logprobs = list((choice.get("logprobs") or {}).get("content") or ())
+        usage = chat.get("usage") or {}
+        turn.prompt_tokens = usage.get("prompt_tokens") or len(chat.get("prompt_token_ids") or ())
+        turn.completion_tokens = usage.get("completion_tokens") or len(
+            choice.get("token_ids") or ()
+        )
+        return turn
+
+    def take(self, chunk: dict[str, Any]) -> list[tuple[str, Any]]:
+        """Fold one stream chunk in; returns what it added, in order, as (kind, value):
+        ("reasoning", text), ("text", text), ("call", index) for a new tool call,
+        ("arguments", (index, text)). Only the first choice is an API's answer."""
+        added: list[tuple[str, Any]] = []
+        if chunk.get("prompt_token_ids") is not None:
+            self.prompt_tokens = len(chunk["prompt_token_ids"])
+        usage = chunk.get("usage")
+        if usage:
+            self.prompt_tokens = usage.get("prompt_tokens") or self.prompt_tokens
+            self.completion_tokens = usage.get("completion_tokens") or self.completion_tokens
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                self.reasoning += reasoning
+                added.append(("reasoning", reasoning))
+            if delta.get("content"):
+                self.text += delta["content"]
+                added.append(("text", delta["content"]))
+            for call in delta.get("tool_calls") or ():
+                added += self._take_call(call)
+            self.logprobs += (choice.get("logprobs") or {}).get("content") or ()
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+                self.stop_reason = choice.get("stop_reason")
+            if not usage:
+                self.completion_tokens += len(choice.get("token_ids") or ())
+        return added
+
+    def _take_call(self, call: dict[str, Any]) -> list[tuple[str, Any]]:
+        index = int(call.get("index") or 0)
+        function = call.get("function") or {}
+        added: list[tuple[str, Any]] = []
+        if index >= len(self.tool_calls):
+            self.tool_calls.append(
+                {
+                    "id": call.get("id") or "",
+                    "type": "function",
+                    "function": {"name": function.get("name") or "", "arguments": ""},
+                }
+            )
+            added.append(("call", index))
+        merged = self.tool_calls[index]
+        if function.get("arguments"):
+            merged["function"]["arguments"] += function["arguments"]
+            added.append(("arguments", (index, function["arguments"])))
+        return added

@@ -1,0 +1,382 @@
+"""Anthropic Messages (`POST /v1/messages`), served over the engine's chat completions.
+
+    Messages                                chat
+    system (text or text blocks)            a first system message
+    text blocks of one message              its content (several: text parts)
+    assistant tool_use blocks               that message's tool_calls (input as JSON arguments)
+    user tool_result blocks                 tool messages, before the message's text
+    thinking blocks sent back               left out (a template strips them from history)
+    tools {name, description, input_schema} function tools
+    tool_choice auto | any | tool | none    auto | required | that function | none
+    stop_sequences, max_tokens              stop, max_tokens
+    image / document blocks, server tools   400: text and function tools only, for now
+
+Back: the first choice as content blocks (thinking, text, tool_use), `stop_reason` from the
+finish reason (stop -> end_turn, or stop_sequence when a stop string matched; length ->
+max_tokens; tool_calls -> tool_use), usage in input/output tokens; streams in Anthropic's event
+grammar (message_start, content_block_start/delta/stop, message_delta, message_stop) and errors
+as `{"type": "error", "error": {...}}`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from proxy.apis.base import (
+    AssistantTurn,
+    parsed_arguments,
+    refuse_media,
+    serialised_arguments,
+    text_content,
+)
+from proxy.errors import BadRequest, ProxyError
+
+#: Anthropic's own fields, translated (or ignored, for `metadata` and the like); anything else
+#: (vLLM's sampling extras such as `seed` or `min_p`) passes on to the engine untouched.
+_OWN = {
+    "model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature",
+    "top_p", "top_k", "tools", "tool_choice", "metadata", "thinking", "service_tier",
+    "container", "mcp_servers", "cache_control", "context_management", "diagnostics",
+    "inference_geo", "output_config", "speed", "user_profile_id", "workspace_id",
+}  # fmt: skip
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+#: Our statuses as Anthropic's error types (what its SDKs expect with each status).
+_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error",
+}  # fmt: skip
+
+
+def _text_of(block: Any, param: str) -> str:
+    if not isinstance(block, dict):
+        raise BadRequest("each content block must be an object with a 'type'", param=param)
+    kind = block.get("type")
+    if kind == "text":
+        text = block.get("text")
+        if not isinstance(text, str):
+            raise BadRequest("a text block needs 'text' as a string", param=param)
+        return text
+    if kind in ("image", "document", "search_result", "container_upload"):
+        raise refuse_media(kind, param)
+    raise BadRequest(f"unexpected content block {kind!r} here", param=param)
+
+
+def _texts(content: Any, param: str) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        raise BadRequest("'content' must be a string or a list of content blocks", param=param)
+    return [_text_of(block, param) for block in content]
+
+
+def _user(content: Any, param: str) -> list[dict[str, Any]]:
+    """A user message: its tool results as tool messages first, then its text."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    if not isinstance(content, list):
+        raise BadRequest("'content' must be a string or a list of content blocks", param=param)
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for block in content:
+        if isinstance(block, dict) and block.get("type") == "tool_result":
+            result = block.get("content", "")
+            parts = _texts(result, param) if result else [""]
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": block.get("tool_use_id"),
+                    "content": text_content(parts),
+                }
+            )
+        else:
+            texts.append(_text_of(block, param))
+    if texts:
+        out.append({"role": "user", "content": text_content(texts)})
+    return out
+
+
+def _assistant(content: Any, param: str) -> dict[str, Any]:
+    """An assistant message: text blocks as content, tool_use blocks as tool calls."""
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    if not isinstance(content, list):
+        raise BadRequest("'content' must be a string or a list of content blocks", param=param)
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_use":
+            arguments = serialised_arguments(block.get("input", {}))
+            calls.append(
+                {
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {"name": block.get("name"), "arguments": arguments},
+                }
+            )
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # not sent back to the model: templates strip earlier reasoning
+        else:
+            texts.append(_text_of(block, param))
+    message: dict[str, Any] = {"role": "assistant"}
+    message["content"] = text_content(texts) if texts else (None if calls else "")
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages a Messages request means (system first)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", param="messages")
+    out: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system:
+        out.append({"role": "system", "content": text_content(_texts(system, "system"))})
+    for k, message in enumerate(messages):
+        param = f"messages.{k}.content"
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "user":
+            out += _user(message.get("content"), param)
+        elif role == "assistant":
+            out.append(_assistant(message.get("content"), param))
+        elif role == "system":  # not Anthropic's, but sent by some CLIs mid-conversation
+            out.append(
+                {"role": "system", "content": text_content(_texts(message.get("content"), param))}
+            )
+        else:
+            raise BadRequest(
+                f"messages.{k}: 'role' must be 'user' or 'assistant' (the system prompt goes in "
+                "'system')",
+                param=f"messages.{k}.role",
+            )
+    return out
+
+
+def chat_tools(tools: Any) -> list[dict[str, Any]]:
+    """Anthropic's client tools as chat function tools."""
+    if not isinstance(tools, list):
+        raise BadRequest("'tools' must be a list", param="tools")
+    out = []
+    for k, tool in enumerate(tools):
+        if (
+            not isinstance(tool, dict)
+            or "input_schema" not in tool
+            or tool.get("type")
+            not in (
+                None,
+                "custom",
+            )
+        ):
+            kind = tool.get("type") if isinstance(tool, dict) else tool
+            raise BadRequest(
+                f"tools.{k}: only client tools ({{name, description, input_schema}}) are "
+                f"served; {kind!r} runs on Anthropic's servers",
+                param=f"tools.{k}",
+            )
+        function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+        if tool.get("description"):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: Any, chat: dict[str, Any]) -> None:
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "auto":
+        chat["tool_choice"] = "auto"
+    elif kind == "any":
+        chat["tool_choice"] = "required"
+    elif kind == "none":
+        chat["tool_choice"] = "none"
+    elif kind == "tool":
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    else:
+        raise BadRequest(
+            "'tool_choice' must be {type: auto | any | tool | none}", param="tool_choice"
+        )
+    if choice.get("disable_parallel_tool_use"):
+        chat["parallel_tool_calls"] = False
+
+
+class Messages:
+    """The Anthropic Messages API (a `proxy.apis.Translation`)."""
+
+    def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The chat request a Messages request means."""
+        max_tokens = body.get("max_tokens")
+        if type(max_tokens) is not int or max_tokens < 1:
+            raise BadRequest("'max_tokens' is required: a positive integer", param="max_tokens")
+        for refused in ("container", "mcp_servers"):
+            if body.get(refused):
+                raise BadRequest(f"'{refused}' runs on Anthropic's servers", param=refused)
+        chat: dict[str, Any] = {k: v for k, v in body.items() if k not in _OWN}
+        chat["model"] = body.get("model")
+        chat["messages"] = chat_messages(body)
+        chat["max_tokens"] = max_tokens
+        for field in ("temperature", "top_p", "top_k"):
+            if body.get(field) is not None:
+                chat[field] = body[field]
+        stop = body.get("stop_sequences")
+        if stop:
+            if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+                raise BadRequest(
+                    "'stop_sequences' must be a list of strings", param="stop_sequences"
+                )
+            chat["stop"] = stop
+        if body.get("tools"):
+            chat["tools"] = chat_tools(body["tools"])
+        if body.get("tool_choice") is not None:
+            _tool_choice(body["tool_choice"], chat)
+        if not isinstance(body.get("stream", False), bool):
+            raise BadRequest("'stream' must be true or false", param="stream")
+        if body.get("stream"):
+            chat["stream"] = True
+        return chat
+
+    def answer(self, chat: dict[str, Any], body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        """A Messages response from the engine's chat answer."""
+        turn = AssistantTurn.of_answer(chat)
+        content: list[dict[str, Any]] = []
+        if turn.reasoning:
+            content.append({"type": "thinking", "thinking": turn.reasoning, "signature": ""})
+        if turn.text:
+            content.append({"type": "text", "text": turn.text})
+        content += [_tool_use(call) for call in turn.tool_calls]
+        return {
+            **_message(body, request_id, turn),
+            "content": content,
+            "usage": {"input_tokens": turn.prompt_tokens, "output_tokens": turn.completion_tokens},
+        }
+
+    def stream(self, body: dict[str, Any], request_id: str) -> MessagesStream:
+        """A translator for one stream."""
+        return MessagesStream(body, request_id)
+
+    def error_body(self, error: ProxyError) -> dict[str, Any]:
+        """Anthropic's error shape."""
+        kind = _ERROR_TYPES.get(error.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+    def finish_reason(self, finish_reason: str | None, stop_reason: Any) -> str | None:
+        """Anthropic's `stop_reason` for a chat finish reason."""
+        if finish_reason == "stop" and isinstance(stop_reason, str):
+            return "stop_sequence"
+        return _STOP_REASONS.get(finish_reason or "", "end_turn")
+
+
+def _message(body: dict[str, Any], request_id: str, turn: AssistantTurn) -> dict[str, Any]:
+    stop_reason = Messages().finish_reason(turn.finish_reason, turn.stop_reason)
+    return {
+        "id": f"msg_{request_id}",
+        "type": "message",
+        "role": "assistant",
+        "model": body.get("model"),
+        "stop_reason": stop_reason if turn.finish_reason else None,
+        "stop_sequence": turn.stop_reason if stop_reason == "stop_sequence" else None,
+    }
+
+
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function") or {}
+    arguments = parsed_arguments(function.get("arguments") or "{}")
+    if not isinstance(arguments, dict):  # not a JSON object: kept, where Anthropic has room
+        arguments = {"arguments": arguments}
+    return {
+        "type": "tool_use",
+        "id": call.get("id"),
+        "name": function.get("name"),
+        "input": arguments,
+    }
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+class MessagesStream:
+    """Chat chunks as Anthropic's stream events: one content block open at a time."""
+
+    def __init__(self, body: dict[str, Any], request_id: str) -> None:
+        self.body = body
+        self.request_id = request_id
+        self.turn = AssistantTurn()
+        self.started = False
+        self.index = -1  # the content block open, or the last one
+        self.open: tuple[str, int] | None = None  # ("text" | "thinking" | "tool", call index)
+
+    def chunk(self, chunk: dict[str, Any]) -> bytes:
+        """Anthropic events for one engine chunk."""
+        added = self.turn.take(chunk)
+        out = [] if self.started else [self._start()]
+        for kind, value in added:
+            if kind == "call":
+                call = self.turn.tool_calls[value]
+                block = {**_tool_use(call), "input": {}}
+                out += self._open(("tool", value), block)
+            elif kind == "arguments":
+                index, text = value
+                if self.open != ("tool", index):  # never seen: the engine sends a call first
+                    continue
+                delta = {"type": "input_json_delta", "partial_json": text}
+                out.append(self._delta(delta))
+            elif kind == "text":
+                out += self._open(("text", 0), {"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": value}))
+            else:
+                block = {"type": "thinking", "thinking": "", "signature": ""}
+                out += self._open(("thinking", 0), block)
+                out.append(self._delta({"type": "thinking_delta", "thinking": value}))
+        return b"".join(out)
+
+    def end(self) -> bytes:
+        """Close the open block, then message_delta (stop reason, usage) and message_stop."""
+        out = [] if self.started else [self._start()]
+        out += self._close()
+        message = _message(self.body, self.request_id, self.turn)
+        delta = {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]}
+        usage = {"output_tokens": self.turn.completion_tokens}
+        out.append(
+            _event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
+        )
+        out.append(_event("message_stop", {"type": "message_stop"}))
+        return b"".join(out)
+
+    def error(self, error: ProxyError) -> bytes:
+        """Anthropic's `error` event."""
+        return _event("error", Messages().error_body(error))
+
+    def _start(self) -> bytes:
+        self.started = True
+        message = {
+            **_message(self.body, self.request_id, AssistantTurn()),
+            "content": [],
+            "usage": {"input_tokens": self.turn.prompt_tokens, "output_tokens": 0},
+        }
+        return _event("message_start", {"type": "message_start", "message": message})
+
+    def _open(self, which: tuple[str, int], block: dict[str, Any]) -> list[bytes]:
+        if self.open == which:
+            return []
+        out = self._close()
+        self.index += 1
+        self.open = which
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        out.append(_event("content_block_start", start))
+        return out
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        data = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        return _event("content_block_delta", data)
