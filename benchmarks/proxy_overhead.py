@@ -1,7 +1,7 @@
 """What the recording proxy costs, against going direct and a bare pass-through, in the same run.
 
     python benchmarks/proxy_overhead.py [--quick] [--duration 4] [--runs 2] [--sessions-soak 1000]
-                                        [--context-tokens 0] [--vllm]
+                                        [--context-tokens 0] [--vllm] [--apis]
 
 Starts four processes: the instant fake engine (tests/proxy/fake_engine.py, cached answers), the
 floor (benchmarks/passthrough.py: aiohttp relay, no recording) and `trajstore proxy` recording
@@ -15,6 +15,9 @@ soak sends N concurrent streaming requests, one per fresh session, through trajs
 ids and logprobs asked for), which separates the engine's cost of them from the proxy's own.
 With `--context-tokens N`, each request carries N tokens of earlier turns (tool calls and their
 output), as an agent deep into an episode sends it: the proxy parses, forwards and records it.
+With `--apis`, trajstore is also measured serving the same requests as Anthropic Messages and
+OpenAI Responses (translated to the engine's chat completions and back, `proxy.apis`), each on
+its own sessions, and their CPU per request is printed against chat's.
 
 The database is TRAJSTORE_DATABASE_URL's server, else the embedded one; it needs the right to
 create databases. Prints medians over the runs, then the ratios the proxy is held to. Exits
@@ -90,20 +93,28 @@ uvloop.run(main())
 """
 
 
-def request_body(stream: bool, *, usage: bool = False) -> bytes:
-    """A chat request as an agent sends it: no token ids or logprobs asked for.
+def request_body(stream: bool, *, usage: bool = False, api: str = "chat") -> bytes:
+    """A request as an agent sends it: no token ids or logprobs asked for.
 
-    With `usage`, a stream asks for the usage chunk: a real model's tokens do not each carry
-    text (a split UTF-8 character, the end-of-turn token), so counting text chunks undercounts.
+    With `usage`, a chat stream asks for the usage chunk: a real model's tokens do not each
+    carry text (a split UTF-8 character, the end-of-turn token), so counting text chunks
+    undercounts. The same conversation as Anthropic Messages or OpenAI Responses (`api`): the
+    system prompt as `system` / `instructions`, tool output as user turns.
     """
-    body: dict[str, object] = {
-        "model": "tiny",
-        "messages": MESSAGES,
-        "max_tokens": MAX_TOKENS,
-        "stream": stream,
-    }
-    if stream and usage:
-        body["stream_options"] = {"include_usage": True}
+    system, rest = MESSAGES[0]["content"], MESSAGES[1:]
+    turns = [{"role": "user" if m["role"] == "tool" else m["role"], "content": m["content"]}
+             for m in rest]  # fmt: skip
+    body: dict[str, object]
+    if api == "messages":
+        body = {"model": "tiny", "system": system, "messages": turns, "max_tokens": MAX_TOKENS}
+    elif api == "responses":
+        body = {"model": "tiny", "instructions": system, "input": turns}
+        body["max_output_tokens"] = MAX_TOKENS
+    else:
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": MAX_TOKENS}
+        if stream and usage:
+            body["stream_options"] = {"include_usage": True}
+    body["stream"] = stream
     return orjson.dumps(body)
 
 
@@ -210,6 +221,7 @@ class Target:
     server: Server | None = None
     received_tokens: int = 0  # completion tokens its clients were given, all measurements
     asks_like_trajstore: bool = False  # send the engine what trajstore sends it (ids, logprobs)
+    api: str = "chat"  # the agent API its requests speak (chat | messages | responses)
 
     def route(self, worker: int) -> Route:
         return self.routes[worker % len(self.routes)]
@@ -229,10 +241,30 @@ class Tally:
     errors: Counter[str] = field(default_factory=Counter)
 
 
+def stream_event(api: str, data: dict[str, object]) -> tuple[int | None, bool, bool]:
+    """One event of a Messages or Responses stream: (exact output tokens if it says them,
+    whether it carried text, whether it ends the stream)."""
+    kind = data.get("type")
+    if kind == "error" or kind == "response.failed":
+        raise RequestFailed("error in stream")
+    if api == "messages":
+        usage = data.get("usage") if kind == "message_delta" else None
+        text = kind == "content_block_delta"
+        return (usage["output_tokens"] if usage else None), text, kind == "message_stop"  # type: ignore[index]
+    final = kind in ("response.completed", "response.incomplete")
+    tokens = data["response"]["usage"]["output_tokens"] if final else None  # type: ignore[index]
+    return tokens, kind == "response.output_text.delta", final
+
+
 async def one_request(
-    http: aiohttp.ClientSession, route: Route, stream: bool, body: bytes, tally: Tally
+    http: aiohttp.ClientSession,
+    route: Route,
+    stream: bool,
+    body: bytes,
+    tally: Tally,
+    api: str = "chat",
 ) -> None:
-    """Send one chat completion, read the whole answer, and tally latency, TTFT and tokens."""
+    """Send one request, read the whole answer, and tally latency, TTFT and tokens."""
     started = time.perf_counter()
     ttft: float | None = None
     tokens = 0
@@ -243,7 +275,20 @@ async def one_request(
                 await resp.read()
                 raise RequestFailed(f"HTTP {resp.status}")
             if not stream:
-                tokens = orjson.loads(await resp.read())["usage"]["completion_tokens"]
+                usage = orjson.loads(await resp.read())["usage"]
+                tokens = usage["completion_tokens" if api == "chat" else "output_tokens"]
+            elif api != "chat":
+                done = False
+                async for line in resp.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    exact, text, done = stream_event(api, orjson.loads(line[5:]))
+                    if text and ttft is None:
+                        ttft = time.perf_counter() - started
+                    if exact is not None:
+                        tokens = exact
+                if not done:
+                    raise RequestFailed("stream ended before its last event")
             else:
                 done = False
                 async for line in resp.content:
@@ -331,13 +376,13 @@ class Load:
         concurrency: int,
         seconds: float,
     ) -> Sample:
-        body = request_body(stream, usage=self.usage)
+        body = request_body(stream, usage=self.usage, api=target.api)
         if target.asks_like_trajstore:
             body = orjson.dumps(engine_body("chat", orjson.loads(body)))
         warm = Tally()
         await asyncio.gather(
             *(
-                one_request(http, target.route(w), stream, body, warm)
+                one_request(http, target.route(w), stream, body, warm, target.api)
                 for w in range(concurrency)
                 for _ in range(WARMUP_PER_WORKER)
             )
@@ -351,7 +396,7 @@ class Load:
         async def worker(w: int) -> None:
             route = target.route(w)
             while time.perf_counter() < deadline:
-                await one_request(http, route, stream, body, tally)
+                await one_request(http, route, stream, body, tally, target.api)
 
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         elapsed = time.perf_counter() - started
@@ -377,13 +422,13 @@ class Load:
             "engine": cpu_seconds([self.engine_pid]),
             "client": times.user + times.system,
         }
-        if target.name == "trajstore" and self.db is not None:
+        if target.name.startswith("trajstore") and self.db is not None:
             cpu["db"] = cpu_seconds(await self.db.pids())
         return cpu
 
     async def _drain(self, target: Target) -> None:
         """Wait until trajstore's writer has stored everything it was given."""
-        if target.name != "trajstore" or target.server is None:
+        if not target.name.startswith("trajstore") or target.server is None:
             return
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -419,8 +464,11 @@ class DbBackends:
 # -- trajstore sessions -------------------------------------------------------------------------
 
 
+API_PATHS = {"chat": "/chat/completions", "messages": "/messages", "responses": "/responses"}
+
+
 async def create_sessions(
-    http: aiohttp.ClientSession, proxy_url: str, ids: list[str]
+    http: aiohttp.ClientSession, proxy_url: str, ids: list[str], api: str = "chat"
 ) -> list[Route]:
     """Create the sessions (32 at a time); the route of each is its own base URL and key."""
     limit = asyncio.Semaphore(32)
@@ -433,7 +481,7 @@ async def create_sessions(
                     raise RuntimeError(f"POST /sessions: {resp.status} {await resp.text()}")
                 created = await resp.json()
         headers = {"Authorization": f"Bearer {created['api_key']}"}
-        return Route(created["base_url"] + "/chat/completions", headers)
+        return Route(created["base_url"] + API_PATHS[api], headers)
 
     return list(await asyncio.gather(*(create(i) for i in ids)))
 
@@ -443,7 +491,7 @@ async def finish_sessions(http: aiohttp.ClientSession, routes: list[Route]) -> N
     limit = asyncio.Semaphore(32)
 
     async def finish(route: Route) -> None:
-        url = route.url.removesuffix("/v1/chat/completions") + "/finish"
+        url = route.url.rpartition("/v1/")[0] + "/finish"
         async with limit, http.post(url, json={"status": "completed"}, headers=route.headers) as r:
             if r.status != 200:
                 raise RuntimeError(f"finish: {r.status} {await r.text()}")
@@ -451,9 +499,10 @@ async def finish_sessions(http: aiohttp.ClientSession, routes: list[Route]) -> N
     await asyncio.gather(*(finish(route) for route in routes))
 
 
-async def reconcile(target: Target, db: DbBackends, what: str) -> bool:
+async def reconcile(targets: list[Target], db: DbBackends, what: str) -> bool:
+    """Every token trajstore's clients received (over all its targets) is in the store."""
     stored = await db.stored_tokens()
-    received = target.received_tokens
+    received = sum(t.received_tokens for t in targets if t.name.startswith("trajstore"))
     verdict = "ok" if stored == received else "MISMATCH"
     print(f"reconciliation ({what}): received {received} tokens, stored {stored} tokens: {verdict}")
     return stored == received
@@ -500,14 +549,14 @@ def fmt(value: float | None, spec: str = "8.2f") -> str:
 
 def print_table(rows: dict[tuple[str, str, int], Row]) -> None:
     print(
-        f"{'target':<10} {'mode':<10} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'target':<19} {'mode':<10} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
         f"{'+p50 ms':>8} {'ttft ms':>8} {'cpu/req':>8} {'db/req':>8} {'eng/req':>8} "
         f"{'cli/req':>8} {'errors':>6}"
     )
     for (name, mode, conc), row in rows.items():
         direct = rows[("direct", mode, conc)]
         print(
-            f"{name:<10} {mode:<10} {conc:>4} {row.rps:8.0f} {row.p50:8.2f} {row.p99:8.2f} "
+            f"{name:<19} {mode:<10} {conc:>4} {row.rps:8.0f} {row.p50:8.2f} {row.p99:8.2f} "
             f"{fmt(None if name == 'direct' else row.p50 - direct.p50)} "
             f"{fmt(row.ttft if mode == 'stream' else None)} "
             f"{fmt(None if name.startswith('direct') else row.cpu['target'], '8.3f')} "
@@ -544,6 +593,18 @@ def print_ratios(rows: dict[tuple[str, str, int], Row], levels: list[int]) -> No
     for mode in ("non-stream", "stream"):
         ours, floor = rows[("trajstore", mode, top)], rows[("floor", mode, top)]
         print(f"  {mode:<10} {ours.p99 / floor.p99:.2f}× ({ours.p99:.1f} / {floor.p99:.1f} ms)")
+
+
+def print_apis(rows: dict[tuple[str, str, int], Row], levels: list[int]) -> None:
+    print("\neach agent API's CPU/request through trajstore ÷ chat's (target ≤ 1.2×):")
+    for api in ("messages", "responses"):
+        for mode in ("non-stream", "stream"):
+            parts = []
+            for conc in levels:
+                chat = rows[("trajstore", mode, conc)].cpu["target"]
+                ours = rows[(f"trajstore-{api}", mode, conc)].cpu["target"]
+                parts.append(f"c={conc} {ours / chat:.2f}× ({ours:.3f} / {chat:.3f} ms)")
+            print(f"  {api:<9} {mode:<10} " + "   ".join(parts))
 
 
 def print_throughput(rows: dict[tuple[str, str, int], Row], levels: list[int]) -> None:
@@ -610,6 +671,7 @@ class Plan:
     runs: int
     soak: int
     vllm: bool = False  # a real vLLM (CPU, generated tiny model) instead of the fake engine
+    apis: bool = False  # also Anthropic Messages and OpenAI Responses through trajstore
 
 
 async def soak(http: aiohttp.ClientSession, target: Target, db: DbBackends, n: int) -> bool:
@@ -632,7 +694,7 @@ async def soak(http: aiohttp.ClientSession, target: Target, db: DbBackends, n: i
         f"ttft p50 {1000 * percentile(tally.ttfts, 0.5):.0f} ms, errors {errors}"
         + "".join(f"\n  {count} x {kind}" for kind, count in tally.errors.items())
     )
-    return await reconcile(target, db, f"after the soak of {n}") and errors == 0
+    return await reconcile([target], db, f"after the soak of {n}") and errors == 0
 
 
 async def main(plan: Plan) -> int:
@@ -675,6 +737,14 @@ async def main(plan: Plan) -> int:
             Target("floor", [Route(floor.url + chat, {})], [floor.process.pid], floor),
             Target("trajstore", routes, [ours.process.pid], ours),
         ]
+        for api in ("messages", "responses") if plan.apis else ():
+            api_routes = await create_sessions(
+                http, ours.url, [f"bench-{api}-{i}" for i in range(max(plan.levels))], api
+            )
+            routes += api_routes
+            targets.append(
+                Target(f"trajstore-{api}", api_routes, [ours.process.pid], ours, api=api)
+            )
         if plan.vllm:  # the engine's own cost of what training needs, apart from the proxy's
             targets.append(
                 Target("direct+ids", [Route(engine.url + chat, {})], [], asks_like_trajstore=True)
@@ -700,9 +770,11 @@ async def main(plan: Plan) -> int:
             print_throughput(rows, plan.levels)
         else:
             print_ratios(rows, plan.levels)
+        if plan.apis:
+            print_apis(rows, plan.levels)
         print()
         await finish_sessions(http, routes)
-        ok = await reconcile(targets[2], db, "load runs")
+        ok = await reconcile(targets, db, "load runs")
         if plan.soak:
             ok = await soak(http, targets[2], db, plan.soak) and ok
         return 0 if ok else 1
@@ -736,6 +808,10 @@ if __name__ == "__main__":
         help="against a real vLLM (CPU) on the generated tiny model, at modest concurrency "
         "[levels 1 4 16], reporting throughput against direct",
     )  # fmt: skip
+    parser.add_argument(
+        "--apis", action="store_true",
+        help="also measure Anthropic Messages and OpenAI Responses through trajstore",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.context_tokens:
         MESSAGES[1:1] = history(args.context_tokens)
@@ -750,6 +826,7 @@ if __name__ == "__main__":
         runs=args.runs or (1 if args.quick else 2),
         soak=0 if args.vllm else soak_sessions,
         vllm=args.vllm,
+        apis=args.apis,
     )
     if 1 not in plan.levels:
         parser.error("the concurrency levels must include 1 (the added-latency figure)")

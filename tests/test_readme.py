@@ -26,7 +26,7 @@ def code_blocks(language: str) -> list[str]:
 async def test_the_agent_example_records_a_session_the_trainer_then_reads(
     proxy: RunningProxy, database_url: str
 ) -> None:
-    [example, training, _] = code_blocks("python")
+    [example, training, _, _] = code_blocks("python")
     example = example.replace("http://127.0.0.1:8400", proxy.url)
     # In a subprocess that does not block this loop: the proxy serves from it.
     child = await asyncio.create_subprocess_exec(
@@ -55,8 +55,22 @@ async def test_the_agent_example_records_a_session_the_trainer_then_reads(
     assert int(shape) > int(generated) > 0 and float(rewards) == 1.0
 
 
+async def test_the_other_apis_example_records_a_turn_of_each(proxy: RunningProxy) -> None:
+    [_, _, example, _] = code_blocks("python")
+    example = example.replace("http://127.0.0.1:8400", proxy.url)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", example,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(child.communicate(), 60)
+    assert child.returncode == 0, err.decode()
+    lines = [line.split() for line in out.decode().splitlines()]
+    assert [api for api, _, _ in lines] == ["messages", "responses"]
+    assert all(int(prompt) > 0 and 0 < int(completion) <= 8 for _, prompt, completion in lines)
+
+
 def test_the_store_example_runs_and_prints_the_recorded_tokens(database_url: str) -> None:
-    [_, _, example] = code_blocks("python")
+    [_, _, _, example] = code_blocks("python")
     env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url}
     done = subprocess.run(
         [sys.executable, "-c", example], env=env, capture_output=True, text=True, timeout=60

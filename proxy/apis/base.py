@@ -85,16 +85,31 @@ def serialised_arguments(value: Any) -> str:
 
 @dataclass
 class AssistantTurn:
-    """The engine's answer as one assistant message: what both APIs translate back."""
+    """The engine's answer as one assistant message: what both APIs translate back.
 
-    text: str = ""
-    reasoning: str = ""
+    A stream's text is kept as its pieces (joined when asked for): appending to one string
+    would copy it on every token of a long answer.
+    """
+
+    text_parts: list[str] = field(default_factory=list)
+    reasoning_parts: list[str] = field(default_factory=list)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chat's shape, merged
     finish_reason: str | None = None
     stop_reason: Any = None
+    keep_logprobs: bool = False  #: collect `logprobs` (only when the agent asked for them)
     logprobs: list[dict[str, Any]] = field(default_factory=list)  # chat's logprobs.content
     prompt_tokens: int = 0
     completion_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        """The answer's text so far."""
+        return "".join(self.text_parts)
+
+    @property
+    def reasoning(self) -> str:
+        """The answer's reasoning so far (a reasoning parser's output)."""
+        return "".join(self.reasoning_parts)
 
     @classmethod
     def of_answer(cls, chat: dict[str, Any]) -> AssistantTurn:
@@ -103,8 +118,8 @@ class AssistantTurn:
         choices = chat.get("choices") or [{}]
         choice = choices[0]
         message = choice.get("message") or {}
-        turn.text = message.get("content") or ""
-        turn.reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+        turn.text_parts = [message.get("content") or ""]
+        turn.reasoning_parts = [message.get("reasoning_content") or message.get("reasoning") or ""]
         turn.tool_calls = list(message.get("tool_calls") or ())
         turn.finish_reason = choice.get("finish_reason")
         turn.stop_reason = choice.get("stop_reason")
@@ -133,14 +148,17 @@ class AssistantTurn:
             delta = choice.get("delta") or {}
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             if reasoning:
-                self.reasoning += reasoning
+                self.reasoning_parts.append(reasoning)
                 added.append(("reasoning", reasoning))
-            if delta.get("content"):
-                self.text += delta["content"]
-                added.append(("text", delta["content"]))
-            for call in delta.get("tool_calls") or ():
-                added += self._take_call(call)
-            self.logprobs += (choice.get("logprobs") or {}).get("content") or ()
+            content = delta.get("content")
+            if content:
+                self.text_parts.append(content)
+                added.append(("text", content))
+            if "tool_calls" in delta:
+                for call in delta["tool_calls"] or ():
+                    added += self._take_call(call)
+            if self.keep_logprobs:
+                self.logprobs += (choice.get("logprobs") or {}).get("content") or ()
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
                 self.stop_reason = choice.get("stop_reason")

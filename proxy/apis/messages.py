@@ -328,7 +328,7 @@ class MessagesStream:
                 out.append(self._delta(delta))
             elif kind == "text":
                 out += self._open(("text", 0), {"type": "text", "text": ""})
-                out.append(self._delta({"type": "text_delta", "text": value}))
+                out.append(self._text_delta(value))
             else:
                 block = {"type": "thinking", "thinking": "", "signature": ""}
                 out += self._open(("thinking", 0), block)
@@ -376,6 +376,14 @@ class MessagesStream:
             return []
         self.open = None
         return [_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _text_delta(self, text: str) -> bytes:
+        """The one event of every token, written without a dict in between."""
+        return (
+            b'event: content_block_delta\ndata: {"type":"content_block_delta","index":'
+            + str(self.index).encode() + b',"delta":{"type":"text_delta","text":'
+            + orjson.dumps(text) + b"}}\n\n"
+        )  # fmt: skip
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
         data = {"type": "content_block_delta", "index": self.index, "delta": delta}

@@ -355,10 +355,11 @@ class ResponsesStream:
         self.body = body
         self.request_id = request_id
         self.created = time.time()
-        self.turn = AssistantTurn()
+        self.turn = AssistantTurn(keep_logprobs=_asked_logprobs(body))
         self.sequence = 0
         self.started = False
         self.output_index = -1
+        self._delta_head: bytes | None = None  # the text deltas' fixed fields
         self.open: tuple[str, int] | None = None  # ("reasoning" | "text" | "call", call index)
 
     def chunk(self, chunk: dict[str, Any]) -> bytes:
@@ -368,12 +369,8 @@ class ResponsesStream:
         for kind, value in self.turn.take(chunk):
             if kind == "text":
                 out += self._open(("text", 0))
-                entries = self.turn.logprobs[logprobs_before:]
-                logprobs = _logprobs(entries) if _asked_logprobs(self.body) else []
-                out.append(self._emit("response.output_text.delta", {
-                    "item_id": f"msg_{self.request_id}", "output_index": self.output_index,
-                    "content_index": 0, "delta": value, "logprobs": logprobs,
-                }))  # fmt: skip
+                logprobs = _logprobs(self.turn.logprobs[logprobs_before:])
+                out.append(self._text_delta(value, logprobs))
             elif kind == "reasoning":
                 out += self._open(("reasoning", 0))
                 out.append(self._emit("response.reasoning_text.delta", {
@@ -405,6 +402,22 @@ class ResponsesStream:
         response = _response(self.body, self.request_id, None, self.created, status="failed")
         response["error"] = {"code": error.type, "message": error.message}
         return self._emit("response.failed", {"response": response})
+
+    def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> bytes:
+        """The one event of every token, written without a dict in between."""
+        head = self._delta_head
+        if head is None:
+            self._delta_head = head = (
+                b'"item_id":"msg_' + self.request_id.encode() + b'","output_index":'
+                + str(self.output_index).encode() + b',"content_index":0,"delta":'
+            )  # fmt: skip
+        sequence = str(self.sequence).encode()
+        self.sequence += 1
+        return (
+            b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+            b'"sequence_number":' + sequence + b"," + head + orjson.dumps(text)
+            + b',"logprobs":' + orjson.dumps(logprobs) + b"}\n\n"
+        )  # fmt: skip
 
     def _emit(self, name: str, data: dict[str, Any]) -> bytes:
         data = {"type": name, "sequence_number": self.sequence, **data}
@@ -442,6 +455,7 @@ class ResponsesStream:
         out = self._close()
         self.output_index += 1
         self.open = which
+        self._delta_head = None
         item = self._item(which, "in_progress")
         out.append(self._emit("response.output_item.added", {
             "output_index": self.output_index, "item": item,
