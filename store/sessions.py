@@ -26,8 +26,12 @@ A session's events live in two kinds of streams (see `store.events`):
                          the messages; {continuation: {fallback}} says why when the request
                          looked like a continuation)
     completion_chunk     token_ids + logprobs of several generated tokens; {choice, text}
-    completion_finished  {choices: [{index, finish_reason, stop_reason, message, n_tokens}],
-                          usage, latency_s, ttft_s}
+    completion_finished  {choices: [{index, finish_reason, stop_reason, message, n_tokens,
+                          api_finish_reason}], usage, latency_s, ttft_s}; `message` is the
+                          chat message the engine answered; `api_finish_reason` only for the
+                          APIs translated to chat (`proxy.apis`): the finish reason in the
+                          agent's API (messages: end_turn | tool_use | max_tokens |
+                          stop_sequence; responses: completed | max_output_tokens)
   or request_failed      {reason, status, message, latency_s} (chunks already recorded stay:
                           a failed or aborted request keeps its partial tokens)
 
@@ -72,6 +76,7 @@ class ChoiceRecord:
     finish_reason: str | None = None
     stop_reason: Any = None
     message: dict[str, Any] | None = None
+    api_finish_reason: str | None = None  #: in the agent's API's taxonomy, when translated
 
     def as_json(self) -> dict[str, Any]:
         """A JSON-able view."""
@@ -83,6 +88,7 @@ class ChoiceRecord:
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
             "message": self.message,
+            "api_finish_reason": self.api_finish_reason,
         }
 
 
@@ -321,6 +327,7 @@ def rebuild_session(
                     choice.finish_reason = finished.get("finish_reason")
                     choice.stop_reason = finished.get("stop_reason")
                     choice.message = finished.get("message")
+                    choice.api_finish_reason = finished.get("api_finish_reason")
         elif kind == _FAILED:
             if stream in turns:
                 turn = turns[stream]

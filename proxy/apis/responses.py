@@ -259,11 +259,19 @@ def _text_part(body: dict[str, Any], text: str, logprobs: list[dict[str, Any]]) 
 def _items(body: dict[str, Any], request_id: str, turn: AssistantTurn) -> list[dict[str, Any]]:
     """The output items of a finished turn: the ids are those its stream announced."""
     items: list[dict[str, Any]] = []
+    # The item that was being generated when the answer was cut by length is incomplete.
+    status = "incomplete" if turn.finish_reason == "length" else "completed"
     if turn.reasoning:
         items.append(_reasoning(request_id, turn.reasoning))
     if turn.text or not turn.tool_calls:
-        items.append(_message_item(request_id, [_text_part(body, turn.text, turn.logprobs)]))
-    items += [_call_item(request_id, k, call) for k, call in enumerate(turn.tool_calls)]
+        part = _text_part(body, turn.text, turn.logprobs)
+        last = not turn.tool_calls
+        items.append(_message_item(request_id, [part], status if last else "completed"))
+    calls = turn.tool_calls
+    items += [
+        _call_item(request_id, k, call, status if k == len(calls) - 1 else "completed")
+        for k, call in enumerate(calls)
+    ]
     return items
 
 
@@ -313,7 +321,7 @@ def _response(
     if turn is not None:
         usage = {
             "input_tokens": turn.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": turn.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": turn.prompt_tokens + turn.completion_tokens,
@@ -400,7 +408,9 @@ class ResponsesStream:
     def error(self, error: ProxyError) -> bytes:
         """`response.failed`, with the error in the response."""
         response = _response(self.body, self.request_id, None, self.created, status="failed")
-        response["error"] = {"code": error.type, "message": error.message}
+        # The API's codes are its own (server_error, rate_limit_exceeded, ...): ours is a
+        # failure of the server side, named in the message.
+        response["error"] = {"code": "server_error", "message": error.message}
         return self._emit("response.failed", {"response": response})
 
     def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> bytes:
@@ -472,7 +482,8 @@ class ResponsesStream:
         if self.open is None:
             return []
         which, self.open = self.open, None
-        item = self._item(which, "completed")
+        cut = self.turn.finish_reason == "length"  # only known once the engine finished
+        item = self._item(which, "incomplete" if cut else "completed")
         at = {"item_id": item["id"], "output_index": self.output_index}
         out = []
         if which[0] == "text":

@@ -151,6 +151,29 @@ def _completion_logprobs(ids: list[int], pos: int, offset: int, k: int) -> JSON:
     }
 
 
+def _tool_call(tool: JSON, ids: list[int]) -> JSON:
+    """A call of `tool` whose arguments follow from the sampled ids (spaced as vLLM's are)."""
+    arguments = {"a": ids[0] % 10, "b": ids[-1] % 10}
+    name = (tool.get("function") or {}).get("name")
+    function = {"name": name, "arguments": orjson.dumps(arguments).decode().replace(":", ": ")}
+    return {"id": f"chatcmpl-tool-{ids[0]}", "type": "function", "function": function}
+
+
+def _tool_call_delta(call: JSON, j: int) -> JSON:
+    """Token j's delta of a streamed call: the call's name, then its arguments in two pieces."""
+    arguments = call["function"]["arguments"]
+    half = len(arguments) // 2
+    if j == 0:
+        first = {"name": call["function"]["name"], "arguments": ""}
+        return {
+            "tool_calls": [{"index": 0, "id": call["id"], "type": "function", "function": first}]
+        }
+    if j in (1, 2):
+        piece = arguments[:half] if j == 1 else arguments[half:]
+        return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+    return {}
+
+
 class FakeEngine:
     """A fake vLLM OpenAI server on aiohttp.web with deterministic output and fault injection.
 
@@ -170,6 +193,7 @@ class FakeEngine:
         instant: bool = False,
         ignore_token_prompts: bool = False,
         rewrite_replies: bool = False,
+        call_tools: bool = False,
     ) -> None:
         self.model_name = model_name
         self.completion_tokens = completion_tokens  # caps max_tokens; below it the answer stops
@@ -180,6 +204,10 @@ class FakeEngine:
         self.instant = instant
         self.ignore_token_prompts = ignore_token_prompts
         self.rewrite_replies = rewrite_replies  # see chat_prompt_ids
+        # With tools in a chat request, answer with a call of the first tool, as vLLM's tool
+        # parser gives it: no content, the call streamed as its name then its arguments in
+        # pieces, finish_reason tool_calls.
+        self.call_tools = call_tools
         self.tokenized: list[JSON] = []  # the /tokenize requests
         self.healthy = True
         self.url = ""
@@ -346,6 +374,10 @@ class FakeEngine:
                 return _chat_logprobs(part, pos, k)
             return _completion_logprobs(part, pos, sum(len(_content(t)) for t in ids[:pos]), k)
 
+        call = None
+        if chat and self.call_tools and body.get("tools"):
+            choices = [(ids, "tool_calls") for ids, _ in choices]
+            call = _tool_call(body["tools"][0], choices[0][0])
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
@@ -361,7 +393,10 @@ class FakeEngine:
             for i, (choice_ids, finish) in enumerate(choices):
                 text = "".join(map(_content, choice_ids))
                 c: JSON = {"index": i}
-                if chat:
+                if chat and call is not None:
+                    c["message"] = {"role": "assistant", "content": None, **_MESSAGE_NULLS}
+                    c["message"]["tool_calls"] = [call]
+                elif chat:
                     c["message"] = {"role": "assistant", "content": text, **_MESSAGE_NULLS}
                 else:
                     c["text"] = text
@@ -393,7 +428,9 @@ class FakeEngine:
                     continue
                 tid, last = choice_ids[j], j == len(choice_ids) - 1
                 ch: JSON = {"index": i}
-                if chat:  # eos shows as an empty delta that still has its token id
+                if call is not None:
+                    ch["delta"] = _tool_call_delta(call, j)
+                elif chat:  # eos shows as an empty delta that still has its token id
                     ch["delta"] = {"content": _content(tid)} if tid != EOS else {}
                 else:
                     ch["text"] = _content(tid)
