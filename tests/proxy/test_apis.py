@@ -210,12 +210,16 @@ async def test_a_stream_cut_by_the_engine_is_an_error_event_and_a_recorded_failu
 ) -> None:
     session = await proxy.new_session()
     client = claude(session, default_headers={"X-Fake-Fault": "drop-mid-stream"})
-    with pytest.raises(anthropic.APIStatusError) as cut:
+
+    async def read_all() -> None:
         async with client.messages.stream(
             model="tiny", max_tokens=16, messages=[{"role": "user", "content": "count"}]
         ) as stream:
             async for _ in stream:
                 pass
+
+    with pytest.raises(anthropic.APIStatusError) as cut:
+        await read_all()
     assert "broke off" in str(cut.value) or "before" in str(cut.value)
     responses = proxy.agent(session).with_options(
         default_headers={"X-Fake-Fault": "drop-mid-stream"}
