@@ -209,6 +209,7 @@ class Route:
 
     url: str
     headers: dict[str, str]
+    orchestrator: dict[str, str] = field(default_factory=dict)  # to finish the session
 
 
 @dataclass
@@ -481,7 +482,8 @@ async def create_sessions(
                     raise RuntimeError(f"POST /sessions: {resp.status} {await resp.text()}")
                 created = await resp.json()
         headers = {"Authorization": f"Bearer {created['api_key']}"}
-        return Route(created["base_url"] + API_PATHS[api], headers)
+        orchestrator = {"Authorization": f"Bearer {created['orchestrator_key']}"}
+        return Route(created["base_url"] + API_PATHS[api], headers, orchestrator)
 
     return list(await asyncio.gather(*(create(i) for i in ids)))
 
@@ -492,7 +494,10 @@ async def finish_sessions(http: aiohttp.ClientSession, routes: list[Route]) -> N
 
     async def finish(route: Route) -> None:
         url = route.url.rpartition("/v1/")[0] + "/finish"
-        async with limit, http.post(url, json={"status": "completed"}, headers=route.headers) as r:
+        async with (
+            limit,
+            http.post(url, json={"status": "completed"}, headers=route.orchestrator) as r,
+        ):
             if r.status != 200:
                 raise RuntimeError(f"finish: {r.status} {await r.text()}")
 

@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
-from proxy.auth import admin_key_is_valid, require_session_key
+from proxy.auth import admin_key_is_valid, require_orchestrator_key, require_session_key
 from proxy.continuation import last_turn_in_log
 from proxy.engines import EnginePool
 from proxy.errors import (
@@ -50,6 +50,7 @@ from proxy.errors import (
 from proxy.forwarding import Forwarder
 from proxy.metrics import ProxyMetrics
 from proxy.model_calls import BodyLimit, ModelCalls
+from proxy.reaper import Reaper
 from proxy.replicas import connection_name, new_replica_id
 from proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
 from proxy.settings import ProxySettings
@@ -137,6 +138,7 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
                 settings,
                 metrics,
                 last_turn=functools.partial(last_turn_in_log, store, registry.replicas),
+                replica_id=replica_id,
             ),
             engines=engines,
             metrics=metrics,
@@ -144,6 +146,14 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
         )
         watchdog = asyncio.create_task(_watch_event_loop(metrics), name="loop-watchdog")
         follower = asyncio.create_task(registry.follow(), name="session-facts-follower")
+        reaper = Reaper(
+            store,
+            registry,
+            interval=settings.reap_interval,
+            lost_after=settings.replica_lost_after,
+            idle_timeout=settings.session_idle_timeout or None,
+        )
+        reaping = asyncio.create_task(reaper.run(), name="reaper")
         _dump_tasks_on_sigusr1()
         try:
             # Start-up objects frozen, young collections rarer: the collector's pauses were
@@ -153,8 +163,11 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
         finally:
             watchdog.cancel()
             follower.cancel()
+            reaping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await follower
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaping
             await engines.close()
             try:
                 await writer.close()  # everything recorded is made durable before we exit
@@ -196,6 +209,12 @@ def _require_session_key(
     )
 
 
+def _require_orchestrator_key(
+    state: ProxyState, session_id: str, authorization: str | None
+) -> None:
+    require_orchestrator_key(state.registry, state.settings.api_key, session_id, authorization)
+
+
 # -- routes ------------------------------------------------------------------------------------
 
 
@@ -204,13 +223,15 @@ class SessionCreated(BaseModel):
 
     OpenAI clients take `base_url` (`OPENAI_BASE_URL`), which ends in /v1; the Anthropic SDK and
     Claude-Code-style CLIs take `anthropic_base_url` (`ANTHROPIC_BASE_URL`), to which they add
-    /v1/messages themselves. The same `api_key` serves both.
+    /v1/messages themselves. The same `api_key` serves both, and only calls models: the
+    caller keeps `orchestrator_key`, which rewards, finishes and discards (`proxy.auth`).
     """
 
     session_id: str
     base_url: str
     anthropic_base_url: str
     api_key: str
+    orchestrator_key: str
     run_id: str
 
 
@@ -236,6 +257,7 @@ def _add_routes(app: FastAPI) -> None:
             base_url=f"{state.public_url}/sessions/{session.session_id}/v1",
             anthropic_base_url=f"{state.public_url}/sessions/{session.session_id}",
             api_key=state.registry.key_for(session.session_id),
+            orchestrator_key=state.registry.orchestrator_key_for(session.session_id),
             run_id=session.run_id,
         )
 
@@ -256,7 +278,7 @@ def _add_routes(app: FastAPI) -> None:
     async def reward(
         session_id: str, body: Reward, state: State, authorization: Authorization = None
     ) -> dict[str, Any]:
-        _require_session_key(state, session_id, authorization)
+        _require_orchestrator_key(state, session_id, authorization)
         await state.registry.reward(session_id, body)
         return {"session_id": session_id, "reward": body.value}
 
@@ -264,7 +286,7 @@ def _add_routes(app: FastAPI) -> None:
     async def finish(
         session_id: str, body: Finish, state: State, authorization: Authorization = None
     ) -> dict[str, Any]:
-        _require_session_key(state, session_id, authorization)
+        _require_orchestrator_key(state, session_id, authorization)
         session = await state.registry.finish(session_id, body)
         return {"session_id": session_id, "status": session.status}
 
@@ -272,7 +294,7 @@ def _add_routes(app: FastAPI) -> None:
     async def discard(
         session_id: str, body: Discard, state: State, authorization: Authorization = None
     ) -> dict[str, Any]:
-        _require_session_key(state, session_id, authorization)
+        _require_orchestrator_key(state, session_id, authorization)
         await state.registry.discard(session_id, body)
         return {"session_id": session_id, "discarded": body.reason}
 

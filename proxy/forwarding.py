@@ -84,9 +84,12 @@ class Forwarder:
         settings: ProxySettings,
         metrics: ProxyMetrics,
         last_turn: Callable[[str], Awaitable[Turn | None]] | None = None,
+        replica_id: str | None = None,
     ) -> None:
         """`last_turn(session_id)`: the session's last chat turn read from the log, for a turn
-        that continues one this replica does not remember."""
+        that continues one this replica does not remember; `replica_id`: this replica, recorded
+        with each request (`proxy.reaper` fails the requests of replicas that died)."""
+        self.replica_id = replica_id
         self.http = http
         self.engines = engines
         self.writer = writer
@@ -148,6 +151,7 @@ class Forwarder:
                 policy_version=engine.policy_version,
                 logprobs_mode=self.settings.logprobs_mode,
                 asked=asked,
+                replica=self.replica_id,
             )
         except BadEvent as exc:
             raise BadRequest(f"the request cannot be recorded: {exc}") from None

@@ -147,12 +147,13 @@ class RequestRecorder:
         logprobs_mode: str,
         asked: Asked,
         chat: dict[str, Any] | None = None,
+        replica: str | None = None,
     ) -> NewEvent:
         """Build (and so validate) the request_received event, before anything is forwarded.
 
         `body` is the agent's request as it sent it; `chat` the chat request it was translated
         to (`proxy.apis`; the body itself for chat): its sampling, messages and render options
-        are what the next turn is compared with.
+        are what the next turn is compared with. `replica`: the proxy replica serving it.
         """
         chat = body if chat is None else chat
         self.api = api
@@ -168,6 +169,8 @@ class RequestRecorder:
             "asked": asked.as_json(),
             "received_at": time.time(),
         }
+        if replica is not None:
+            payload["replica"] = replica
         messages = chat.get("messages")
         if api != "completions" and isinstance(messages, list):
             self._messages = (len(messages), orjson.dumps(messages))

@@ -169,6 +169,10 @@ class Replicas:
 
     # -- membership and messages ------------------------------------------------------------------
 
+    async def live(self) -> set[str]:
+        """The ids of the replicas connected now, this one included (`proxy.reaper`)."""
+        return await self._live_peers() | {self.id}
+
     async def _live_peers(self) -> set[str]:
         async with unavailable_as_store_error():
             rows = await self.store.pool.fetch(queries.CLIENTS_NAMED, APPLICATION_PREFIX)

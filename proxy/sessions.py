@@ -2,8 +2,10 @@
 
 Session-level facts are appended to the session's own stream and awaited: they are rare and the
 caller wants them durable. Model requests only read the session, from a per-replica cache filled
-from the log on first use. Each session has its own API key, derived from a secret with HMAC, so
-any replica sharing the secret can check it without a lookup, and no key is ever stored.
+from the log on first use. Each session has its own API key (for its agent's model calls) and its
+own orchestrator key (for its reward, finish and discard: `proxy.auth`), both derived from a
+secret with HMAC, so any replica sharing the secret can check them without a lookup, and no key is
+ever stored.
 """
 
 from __future__ import annotations
@@ -174,6 +176,16 @@ class SessionRegistry:
     def key_matches(self, session_id: str, presented: str) -> bool:
         """Whether `presented` is this session's key (constant-time)."""
         return hmac.compare_digest(self.key_for(session_id), presented)
+
+    def orchestrator_key_for(self, session_id: str) -> str:
+        """The key that rewards, finishes and discards one session (`proxy.auth`): given to
+        whoever created the session, never to its agent."""
+        message = b"orchestrator\0" + session_id.encode()
+        return f"tso-{hmac.new(self._secret, message, hashlib.sha256).hexdigest()[:48]}"
+
+    def orchestrator_key_matches(self, session_id: str, presented: str) -> bool:
+        """Whether `presented` is this session's orchestrator key (constant-time)."""
+        return hmac.compare_digest(self.orchestrator_key_for(session_id), presented)
 
     async def create(self, request: CreateSession, session_id: str) -> tuple[Session, bool]:
         """Create the session, or return the existing one if created with the same body.

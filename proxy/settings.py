@@ -24,7 +24,8 @@ class ProxySettings(BaseSettings):
     )
     api_key: str | None = Field(
         default=None,
-        description="When set, creating sessions and admin calls need it as a Bearer token.",
+        description="The admin key: when set, creating sessions and admin calls need it as a "
+        "Bearer token (rewards, finishes and discards take it or the session's orchestrator key).",
     )
     session_secret: str | None = Field(
         default=None,
@@ -63,6 +64,24 @@ class ProxySettings(BaseSettings):
         description="How a chat turn that continues the session's previous turn reaches the "
         "engine: `tokens`, the ids already sampled plus the new messages' (no retokenisation "
         "drift; see proxy.continuation), or `text`, the messages rendered by the engine.",
+    )
+    session_idle_timeout: float = Field(
+        default=3600.0,
+        ge=0,
+        description="Seconds without any event after which an active session is finished as "
+        "`timeout` (0: never).",
+    )
+    replica_lost_after: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds a proxy replica must be gone (its connections absent) before the "
+        "requests it left open are recorded as failed (`replica_lost`); keep it above a "
+        "writer's 30 s of retries.",
+    )
+    reap_interval: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds between two looks for lost requests and idle sessions.",
     )
     finish_timeout: float = Field(
         default=30.0,

@@ -85,7 +85,7 @@ def agent_example(proxy_url: str, model: str, *, admin_key: bool) -> list[str]:
         f'print(agent.chat.completions.create(model="{model}", '
         'messages=[{"role": "user", "content": "What is 2 plus 3?"}]))',
         'httpx.post(s["base_url"].removesuffix("/v1") + "/finish", json={"status": "completed"},'
-        ' headers={"Authorization": "Bearer " + s["api_key"]})',
+        ' headers={"Authorization": "Bearer " + s["orchestrator_key"]})',
     ]
 
 

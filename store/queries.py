@@ -258,3 +258,33 @@ WHERE datname = current_database() AND starts_with(application_name, $1)
 """
 
 NOTIFY = "SELECT pg_notify($1, $2)"
+
+# -- the proxy's reaper (`proxy.reaper`) ----------------------------------------------------------
+
+#: Every stream of every session still active (created, never finished), with what the reaper
+#: needs of each: its version, when it last changed, whether a request ended, the replica that
+#: served it, and the completion tokens that reached the log. The active sessions come from the
+#: lifecycle index (`ix_events_session_lifecycle`), their events from the session index.
+ACTIVE_SESSION_STREAMS = """
+WITH active AS (
+    SELECT created.session_id FROM events AS created
+    WHERE created.event_type = 'session_created'
+      AND NOT EXISTS (
+          SELECT 1 FROM events AS finished
+          WHERE finished.event_type = 'session_finished'
+            AND finished.session_id = created.session_id
+      )
+)
+SELECT
+    e.session_id,
+    e.stream_id,
+    max(e.run_id) AS run_id,
+    max(e.stream_version) AS version,
+    extract(epoch FROM now() - max(e.recorded_at))::float8 AS idle_s,
+    bool_or(e.event_type IN ('completion_finished', 'request_failed')) AS ended,
+    max(e.payload ->> 'replica') FILTER (WHERE e.event_type = 'request_received') AS replica,
+    coalesce(sum(octet_length(e.token_ids) / 4)
+             FILTER (WHERE e.event_type = 'completion_chunk'), 0)::bigint AS tokens
+FROM active JOIN events AS e ON e.session_id = active.session_id
+GROUP BY e.session_id, e.stream_id
+"""

@@ -93,6 +93,13 @@ events = Table(
         "position",
         postgresql_where=text(f"event_type IN ({queries.FACT_TYPES})"),
     ),
+    # The sessions still active (`queries.ACTIVE_SESSION_STREAMS`, the proxy's reaper).
+    Index(
+        "ix_events_session_lifecycle",
+        "session_id",
+        "event_type",
+        postgresql_where=text("event_type IN ('session_created', 'session_finished')"),
+    ),
 )
 
 

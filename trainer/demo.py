@@ -183,7 +183,7 @@ async def run_agent(
     await http.post(
         f"{proxy_url}/sessions/{result.session_id}/reward",
         json={"value": result.reward, "components": result.parts, "source": "trainer.demo"},
-        headers={"Authorization": f"Bearer {created['api_key']}"},
+        headers={"Authorization": f"Bearer {created['orchestrator_key']}"},
     )
     await _finish(http, proxy_url, created, "completed", None)
     return result
@@ -195,7 +195,7 @@ async def _finish(
     response = await http.post(
         f"{proxy_url}/sessions/{created['session_id']}/finish",
         json={"status": status, "reason": why},
-        headers={"Authorization": f"Bearer {created['api_key']}"},
+        headers={"Authorization": f"Bearer {created['orchestrator_key']}"},
     )
     response.raise_for_status()
 

@@ -75,11 +75,59 @@ async def test_with_an_api_key_creating_and_admin_calls_need_it(
     assert finished.status_code == 401
     finished = await post(proxy, f"/sessions/{session['session_id']}/finish",
                           {"status": "completed"}, key=session["api_key"])  # fmt: skip
+    assert finished.status_code == 401  # the agent's key only calls models
+    finished = await post(proxy, f"/sessions/{session['session_id']}/finish",
+                          {"status": "completed"}, key=session["orchestrator_key"])  # fmt: skip
     assert finished.status_code == 200
     # Keys are never written into the log.
     for event in await events_of(session["session_id"]):
         text = str(event.payload)
         assert "sekret" not in text and session["api_key"] not in text
+
+
+@pytest.mark.parametrize("admin_key", [None, "sekret"], ids=["open", "admin-key"])
+async def test_the_agent_cannot_reward_finish_or_discard_any_session(
+    start_proxy: ProxyFactory, engine: FakeEngine, admin_key: str | None
+) -> None:
+    proxy = await start_proxy([engine.url], api_key=admin_key)
+    a, b = await proxy.new_session(), await proxy.new_session()
+    await proxy.agent(a).chat.completions.create(**CHAT)
+    control = [("reward", {"value": 1.0}), ("discard", {"reason": "x"}),
+               ("finish", {"status": "completed"})]  # fmt: skip
+    for call, body in control:
+        for session in (a, b):  # its own session and another's: reward hacking through the API
+            refused = await post(proxy, f"/sessions/{session['session_id']}/{call}", body,
+                                 key=a["api_key"])  # fmt: skip
+            assert refused.status_code == 401, (call, refused.text)
+            assert "orchestrator_key" in refused.json()["error"]["message"]
+        wrong = await post(proxy, f"/sessions/{a['session_id']}/{call}", body,
+                           key=b["orchestrator_key"])  # fmt: skip
+        assert wrong.status_code == 401  # another session's orchestrator key
+    record = (
+        await proxy.http.get(
+            f"{proxy.url}/sessions/{a['session_id']}",
+            headers={"Authorization": f"Bearer {a['api_key']}"},
+        )
+    ).json()
+    assert record["rewards"] == [] and record["status"] == "active"  # fmt: skip
+    assert record["discarded"] is None
+    # Reading takes the session's own keys, never another session's.
+    other = await proxy.http.get(f"{proxy.url}/sessions/{a['session_id']}",
+                                 headers={"Authorization": f"Bearer {b['api_key']}"})  # fmt: skip
+    assert other.status_code == 401
+    # The orchestrator that created the session holds the key that grades it.
+    for call, body in control:
+        done = await post(proxy, f"/sessions/{a['session_id']}/{call}", body,
+                          key=a["orchestrator_key"])  # fmt: skip
+        assert done.status_code == 200, (call, done.text)
+    # Its key cannot call models in the agent's place.
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=b["base_url"], api_key=b["orchestrator_key"],
+                                 max_retries=0).chat.completions.create(**CHAT)  # fmt: skip
+    # The admin key does everything; on an open proxy, so does a call with no key at all.
+    key = admin_key or None
+    assert (await post(proxy, f"/sessions/{b['session_id']}/reward", {"value": 0.5},
+                       key=key)).status_code == 200  # fmt: skip
 
 
 async def test_finish_reward_discard_and_what_follows(proxy: RunningProxy, events_of: Any) -> None:
