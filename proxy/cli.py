@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from store.embedded import database_url, port_in_use
+from store.embedded import port_in_use, role_database_url
+from store.roles import RECORDER_ROLE
 from store.settings import StoreSettings
 
 if TYPE_CHECKING:
@@ -89,6 +90,6 @@ def proxy(
     if not urls:
         raise click.UsageError("name at least one engine: --engine http://HOST:PORT")
     settings = proxy_settings(urls, host, port, next_free_port, public_url, policy_version)
-    app = create_app(settings, database_url(store_settings_of(ctx)))
+    app = create_app(settings, role_database_url(RECORDER_ROLE, store_settings_of(ctx)))
     click.echo(f"trajstore proxy on http://{host}:{settings.port} -> {', '.join(urls)}")
     uvicorn.run(app, host=host, port=settings.port, log_level="warning", access_log=False)

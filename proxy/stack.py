@@ -144,6 +144,12 @@ class Backends:
     model: str  #: what an agent passes as `model` (the first engine's first model)
     local_vllm: bool  #: whether the engine is a vLLM started here
     model_dir: Path | None = None  #: the local vLLM's model (the generated tiny model)
+    recorder_url: str = ""  #: what the proxy connects with (`store.roles`)
+    projector_url: str = ""  #: what the projector connects with
+
+    def role_urls(self) -> dict[str, str]:
+        """`serving`'s keyword arguments: each process connects as its own role."""
+        return {"recorder_url": self.recorder_url, "projector_url": self.projector_url}
 
 
 @contextlib.contextmanager
@@ -151,7 +157,7 @@ def backends(store_settings: StoreSettings, engines: list[str]) -> Iterator[Back
     """Start (or connect to) PostgreSQL, migrate it, start a local vLLM when no engine is named;
     stop, on the way out, what was started here (the embedded server only if it was not
     running before)."""
-    from store import migrations
+    from store import migrations, roles
 
     embedded: EmbeddedPostgres | None = None
     vllm: VllmServer | None = None
@@ -164,7 +170,17 @@ def backends(store_settings: StoreSettings, engines: list[str]) -> Iterator[Back
                 engines = [vllm.start()]
             model = LOCAL_MODEL_NAME if vllm else served_model_name(engines[0]) or "MODEL"
         model_dir = vllm.model_dir if vllm else None
-        yield Backends(url, sql_url, engines, model, vllm is not None, model_dir)
+        embedded_in_use = not store_settings.database_url
+        recorder, projector = (
+            roles.url_for(role, url, configured, embedded=embedded_in_use)
+            for role, configured in (
+                (roles.RECORDER_ROLE, store_settings.recorder_database_url),
+                (roles.PROJECTOR_ROLE, store_settings.projector_database_url),
+            )
+        )
+        yield Backends(
+            url, sql_url, engines, model, vllm is not None, model_dir, recorder, projector
+        )
     finally:
         if vllm is not None:
             vllm.stop()
@@ -208,7 +224,11 @@ def up(
             ]  # fmt: skip
             click.echo("\n".join(lines))
 
-        asyncio.run(_serve_until_signal(settings, found.database_url, poll_interval, announce))
+        asyncio.run(
+            _serve_until_signal(
+                settings, found.database_url, poll_interval, announce, found.role_urls()
+            )
+        )
     click.echo("stopped: proxy, projector" + (", vLLM" * found.local_vllm))
 
 
@@ -239,10 +259,16 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def serving(
-    settings: ProxySettings, database_url: str, poll_interval: float = 1.0
+    settings: ProxySettings,
+    database_url: str,
+    poll_interval: float = 1.0,
+    *,
+    recorder_url: str = "",
+    projector_url: str = "",
 ) -> AsyncIterator[Running]:
     """Serve the proxy and run the live projector until the block ends, then stop both (the
-    proxy's shutdown flushes its event writer)."""
+    proxy's shutdown flushes its event writer). Each connects with its role's URL when given
+    (`store.roles`), else with `database_url`."""
     import uvicorn
 
     from proxy.app import create_app
@@ -257,11 +283,11 @@ async def serving(
             yield
 
     config = uvicorn.Config(
-        create_app(settings, database_url), host=settings.host, port=settings.port,
+        create_app(settings, recorder_url or database_url), host=settings.host, port=settings.port,
         log_level="warning", access_log=False, lifespan="on",
     )  # fmt: skip
     server = Server(config)
-    store = await EventStore.open(database_url)
+    store = await EventStore.open(projector_url or database_url)
     projecting = asyncio.create_task(Projector(store).run_forever(poll_interval))
     serve = asyncio.create_task(server.serve())
     try:
@@ -285,7 +311,11 @@ async def serving(
 
 
 async def _serve_until_signal(
-    settings: ProxySettings, url: str, poll_interval: float, announce: Callable[[str], None]
+    settings: ProxySettings,
+    url: str,
+    poll_interval: float,
+    announce: Callable[[str], None],
+    role_urls: dict[str, str],
 ) -> None:
     """Serve the proxy and run the projector until SIGINT or SIGTERM."""
     stop = asyncio.Event()
@@ -300,7 +330,7 @@ async def _serve_until_signal(
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal)
     try:
-        async with serving(settings, url, poll_interval) as running:
+        async with serving(settings, url, poll_interval, **role_urls) as running:
             force.append(running)
             announce(running.url)
             await running.wait(stop)

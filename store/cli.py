@@ -16,9 +16,10 @@ from typing import Any, ClassVar, NoReturn
 
 import click
 
-from store.embedded import EmbeddedPostgres, database_url
+from store.embedded import EmbeddedPostgres, database_url, role_database_url
 from store.errors import StoreError
 from store.eventstore import EventStore
+from store.roles import PROJECTOR_ROLE, Role
 from store.settings import StoreSettings
 
 #: Commands provided by other packages: name -> "module:attribute", imported on first use.
@@ -165,14 +166,36 @@ def db_url(ctx: click.Context, tcp: bool) -> None:
 
 @main.command()
 @click.option("--revision", default="head", show_default=True, help="Target revision.")
+@click.option(
+    "--recorder-password", envvar="TRAJSTORE_RECORDER_DB_PASSWORD", show_envvar=True,
+    help="Set the password of the proxy's role, trajstore_recorder (for servers that do not "
+    "trust local connections).",
+)  # fmt: skip
+@click.option(
+    "--projector-password", envvar="TRAJSTORE_PROJECTOR_DB_PASSWORD", show_envvar=True,
+    help="Set the password of the projector's role, trajstore_projector.",
+)  # fmt: skip
 @click.pass_context
-def migrate(ctx: click.Context, revision: str) -> None:
-    """Apply schema migrations (starting the embedded server if it is the store)."""
-    from store import migrations
+def migrate(
+    ctx: click.Context,
+    revision: str,
+    recorder_password: str | None,
+    projector_password: str | None,
+) -> None:
+    """Apply schema migrations (starting the embedded server if it is the store), as the
+    database URL's user; optionally give the processes' roles their passwords (`store.roles`)."""
+    import asyncio
+
+    from store import migrations, roles
 
     url = database_url(_settings(ctx))
     migrations.upgrade(url, revision)
     click.echo(f"migrated to {revision}")
+    passwords = {roles.RECORDER_ROLE: recorder_password, roles.PROJECTOR_ROLE: projector_password}
+    for role, password in passwords.items():
+        if password:
+            asyncio.run(roles.set_password(url, role, password))
+            click.echo(f"set the password of {role}")
 
 
 @main.command()
@@ -205,7 +228,7 @@ def project(ctx: click.Context, once: bool, rebuild: bool, poll_interval: float)
             await projector.run_forever(poll_interval)
 
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how the live projector stops
-        _run_with_store(ctx, run)
+        _run_with_store(ctx, run, PROJECTOR_ROLE)
 
 
 @main.command()
@@ -270,12 +293,18 @@ def export(
     _run_with_store(ctx, run)
 
 
-def _run_with_store(ctx: click.Context, body: Callable[[EventStore], Awaitable[None]]) -> None:
-    """Open the store (starting the embedded server when it is the store), run `body`, close."""
+def _run_with_store(
+    ctx: click.Context, body: Callable[[EventStore], Awaitable[None]], role: Role | None = None
+) -> None:
+    """Open the store (starting the embedded server when it is the store), run `body`, close;
+    as `role` when given (`store.roles`), else as the configured user."""
     import asyncio
 
+    settings = _settings(ctx)
+    url = database_url(settings) if role is None else role_database_url(role, settings)
+
     async def run() -> None:
-        async with await EventStore.open(database_url(_settings(ctx))) as store:
+        async with await EventStore.open(url) as store:
             await body(store)
 
     asyncio.run(run())

@@ -36,7 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from store import roles
 from store.errors import EmbeddedServerError
+from store.roles import Role
 from store.settings import StoreSettings
 
 log = logging.getLogger(__name__)
@@ -460,3 +462,18 @@ def database_url(settings: StoreSettings | None = None) -> str:
     if settings.database_url:
         return settings.database_url
     return EmbeddedPostgres.from_settings(settings).start()
+
+
+def role_database_url(role: Role, settings: StoreSettings | None = None) -> str:
+    """The URL a process of `role` connects with (`store.roles.url_for`): its own configured
+    URL, the embedded server's socket as that role, or the one configured URL."""
+    settings = settings or StoreSettings()
+    configured = (
+        settings.recorder_database_url
+        if role == roles.RECORDER_ROLE
+        else settings.projector_database_url
+    )
+    if configured:
+        return configured
+    owner = database_url(settings)
+    return roles.url_for(role, owner, None, embedded=not settings.database_url)

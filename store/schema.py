@@ -34,7 +34,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP, UUID
 from sqlalchemy.dialects.postgresql.base import ischema_names
 from sqlalchemy.types import UserDefinedType
 
-from store import queries, views
+from store import queries, roles, views
 
 #: The channel live subscribers LISTEN on. Notifications carry no payload: they are a wake-up.
 NOTIFY_CHANNEL = "trajstore_events"
@@ -254,4 +254,9 @@ event.listen(metadata, "after_create", _ddl(COMPRESSION_DDL))
 for _sql in views.CREATE:
     event.listen(metadata, "after_create", _ddl(_sql))
 for _sql in views.DROP:
+    event.listen(metadata, "before_drop", _ddl(_sql))
+# The processes' roles (store.roles): granted last, dropped first.
+for _sql in roles.CREATE:
+    event.listen(metadata, "after_create", _ddl(_sql))
+for _sql in roles.DROP:
     event.listen(metadata, "before_drop", _ddl(_sql))

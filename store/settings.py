@@ -30,6 +30,16 @@ class StoreSettings(BaseSettings):
         default=None,
         description="PostgreSQL URL; when unset, trajstore starts its own private server.",
     )
+    recorder_database_url: str | None = Field(
+        default=None,
+        description="PostgreSQL URL the proxy records with, as a trajstore_recorder login "
+        "(default: the embedded server's socket as that role, else TRAJSTORE_DATABASE_URL).",
+    )
+    projector_database_url: str | None = Field(
+        default=None,
+        description="PostgreSQL URL the projector writes samples with, as a trajstore_projector "
+        "login (default: the embedded server's socket as that role, else TRAJSTORE_DATABASE_URL).",
+    )
     data_dir: Path = Field(
         default_factory=default_data_dir,
         description="Directory of the embedded PostgreSQL (its data, socket and log).",

@@ -316,13 +316,14 @@ async def run_demo(
     seed: int,
     model_dir: Path | None,
     train_steps: int,
+    role_urls: dict[str, str] | None = None,
 ) -> None:
     """Serve the stack, run the agents at once, wait for their samples, summarise."""
     # Each question goes to GROUP_SIZE agents (one GRPO group): advantages compare their rewards.
     questions = make_tasks((agents + GROUP_SIZE - 1) // GROUP_SIZE, seed)
     tasks = [question for question in questions for _ in range(GROUP_SIZE)][:agents]
     async with (
-        serving(settings, database_url, poll_interval=0.5) as running,
+        serving(settings, database_url, poll_interval=0.5, **(role_urls or {})) as running,
         httpx.AsyncClient(timeout=120) as http,
         await EventStore.open(database_url) as store,
     ):
@@ -382,6 +383,7 @@ def demo(
         settings.engines = found.engines
         asyncio.run(
             run_demo(console, settings, found.database_url, model=found.model, run_id=run_id,
+                     role_urls=found.role_urls(),
                      agents=agents, turns=turns, max_tokens=max_tokens, seed=seed,
                      model_dir=found.model_dir if train_steps else None, train_steps=train_steps)
         )  # fmt: skip

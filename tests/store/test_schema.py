@@ -51,9 +51,9 @@ CATALOG_QUERIES = {
         WHERE pronamespace = 'public'::regnamespace ORDER BY 1""",
     "views": """
         SELECT viewname, definition FROM pg_views WHERE schemaname = 'public' ORDER BY 1""",
-    "grants": """
-        SELECT table_name, privilege_type FROM information_schema.role_table_grants
-        WHERE grantee = 'trajstore_reader' ORDER BY 1, 2""",
+    "grants": r"""
+        SELECT grantee, table_name, privilege_type FROM information_schema.role_table_grants
+        WHERE grantee LIKE 'trajstore\_%' ORDER BY 1, 2, 3""",
 }
 
 
@@ -92,9 +92,17 @@ async def test_migrations_produce_exactly_the_declared_schema(
     assert len(migrated["triggers"]) == 5
     assert len(migrated["functions"]) == 2
     assert [view for view, _ in migrated["views"]] == ["trajectories", "turns"]
-    assert migrated["grants"] == [
+    grants = {(who, table, what) for who, table, what in migrated["grants"]}
+    assert {(t, w) for who, t, w in grants if who == "trajstore_reader"} == {
         ("samples", "SELECT"), ("trajectories", "SELECT"), ("turns", "SELECT")
-    ]  # fmt: skip
+    }  # fmt: skip
+    # The proxy's role reads and appends events and nothing else; the projector's reads events.
+    assert {(t, w) for who, t, w in grants if who == "trajstore_recorder"} == {
+        ("events", "INSERT"), ("events", "SELECT")
+    }  # fmt: skip
+    assert {w for who, t, w in grants if who == "trajstore_projector" and t == "events"} == {
+        "SELECT"
+    }
 
 
 async def test_downgrade_to_base_removes_everything_and_upgrade_restores_it(

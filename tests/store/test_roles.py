@@ -1,0 +1,146 @@
+"""Least privilege in PostgreSQL (`store.roles`): the proxy's role can read and append events and
+nothing else, the projector's can read events and write samples; neither can rewrite the log or
+switch its guards off. Each is also shown doing its real job under its role."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from typing import Any
+
+import asyncpg
+import pytest
+
+from proxy.settings import ProxySettings
+from store import EventStore, EventType, NewEvent
+from store.connection import asyncpg_dsn
+from store.projection import Projector
+from store.roles import PROJECTOR_ROLE, RECORDER_ROLE, as_role
+from tests.conftest import free_port
+from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fixtures import serve_proxy
+
+#: PostgreSQL's "permission denied" / "must be owner" (SQLSTATE 42501), before any trigger runs.
+REFUSED = asyncpg.InsufficientPrivilegeError
+
+
+async def connect(url: str) -> asyncpg.Connection:
+    return await asyncpg.connect(asyncpg_dsn(url))
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "UPDATE events SET payload = '{}'",
+        "DELETE FROM events",
+        "TRUNCATE events",
+        "ALTER TABLE events DISABLE TRIGGER USER",
+        "DROP TABLE events",
+        "INSERT INTO samples OVERRIDING SYSTEM VALUE SELECT * FROM samples WHERE false",
+        "DELETE FROM samples",
+    ],
+)
+async def test_the_recorder_cannot_rewrite_the_log_or_touch_samples(
+    database_url: str, statement: str
+) -> None:
+    conn = await connect(as_role(database_url, RECORDER_ROLE))
+    try:
+        with pytest.raises(REFUSED):
+            await conn.execute(statement)
+        assert await conn.fetchval("SELECT current_user") == RECORDER_ROLE
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "INSERT INTO events OVERRIDING SYSTEM VALUE SELECT * FROM events WHERE false",
+        "UPDATE events SET payload = '{}'",
+        "ALTER TABLE events DISABLE TRIGGER USER",
+        "ALTER TABLE samples OWNER TO trajstore_projector",
+    ],
+)
+async def test_the_projector_cannot_write_the_log(database_url: str, statement: str) -> None:
+    conn = await connect(as_role(database_url, PROJECTOR_ROLE))
+    try:
+        with pytest.raises(REFUSED):
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+async def test_each_role_does_its_job(database_url: str) -> None:
+    recorder = await EventStore.open(as_role(database_url, RECORDER_ROLE))
+    try:
+        created = NewEvent(EventType.SESSION_CREATED, session_id="s1", run_id="r1",
+                           payload={"session_id": "s1", "run_id": "r1"})  # fmt: skip
+        finished = NewEvent(EventType.SESSION_FINISHED, session_id="s1", run_id="r1",
+                            payload={"status": "completed"})  # fmt: skip
+        await recorder.append("session-s1", [created, finished])
+        writer = recorder.writer()
+        await writer.start()
+        await writer.close()
+        assert [e.type for e in await recorder.read_session("s1")] == [
+            EventType.SESSION_CREATED, EventType.SESSION_FINISHED
+        ]  # fmt: skip
+    finally:
+        await recorder.close()
+    projector_store = await EventStore.open(as_role(database_url, PROJECTOR_ROLE))
+    try:
+        await Projector(projector_store).run_once()  # reads events, writes its checkpoint
+    finally:
+        await projector_store.close()
+
+
+async def test_the_proxy_serves_records_and_finishes_as_the_recorder(database_url: str) -> None:
+    settings = ProxySettings(port=free_port(), reap_interval=0.2)
+    async with FakeEngine() as engine:
+        settings.engines = [engine.url]
+        async with serve_proxy(settings, as_role(database_url, RECORDER_ROLE)) as proxy:
+            session = await proxy.new_session()
+            await proxy.agent(session).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+            control = {"Authorization": f"Bearer {session['orchestrator_key']}"}
+            sid = session["session_id"]
+            finished = await proxy.http.post(
+                f"{proxy.url}/sessions/{sid}/finish", json={"status": "completed"},
+                headers=control,
+            )  # fmt: skip
+            assert finished.status_code == 200, finished.text
+            record: dict[str, Any] = (await proxy.http.get(f"{proxy.url}/sessions/{sid}")).json()
+            assert record["status"] == "completed" and record["turns"][0]["status"] == "completed"
+            conn = await connect(database_url)
+            try:
+                named = await conn.fetch(
+                    "SELECT DISTINCT usename FROM pg_stat_activity WHERE datname = "
+                    "current_database() AND application_name LIKE 'trajstore-%'"
+                )
+            finally:
+                await conn.close()
+            # The writer, the listener and the session follower; and the pool of its store.
+            assert [row["usename"] for row in named] == [RECORDER_ROLE]
+            state = proxy.app.state.proxy
+            assert await state.store.pool.fetchval("SELECT current_user") == RECORDER_ROLE
+
+
+async def test_migrate_gives_the_roles_their_passwords(database_url: str) -> None:
+    env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url,
+           "TRAJSTORE_RECORDER_DB_PASSWORD": "rec-secret"}  # fmt: skip
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "store", "migrate", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await child.communicate()
+    assert child.returncode == 0, err.decode()
+    assert "set the password of trajstore_recorder" in out.decode()
+    conn = await connect(database_url)
+    try:  # SCRAM verifiers, never the password itself
+        verifier = await conn.fetchval(
+            "SELECT rolpassword FROM pg_authid WHERE rolname = 'trajstore_recorder'"
+        )
+    finally:
+        await conn.close()
+    assert verifier.startswith("SCRAM-SHA-256$") and "rec-secret" not in verifier
