@@ -679,8 +679,10 @@ class Plan:
     apis: bool = False  # also Anthropic Messages and OpenAI Responses through trajstore
 
 
-async def soak(http: aiohttp.ClientSession, target: Target, db: DbBackends, n: int) -> bool:
-    """N concurrent streaming sessions through trajstore, one request each; then reconcile."""
+async def soak(http: aiohttp.ClientSession, targets: list[Target], db: DbBackends, n: int) -> bool:
+    """N concurrent streaming sessions through trajstore, one request each; then reconcile
+    (everything stored against everything every trajstore target's clients received)."""
+    target = next(t for t in targets if t.name == "trajstore")
     assert target.server is not None
     routes = await create_sessions(http, target.server.url, [f"soak-{i}" for i in range(n)])
     tally = Tally()
@@ -699,7 +701,7 @@ async def soak(http: aiohttp.ClientSession, target: Target, db: DbBackends, n: i
         f"ttft p50 {1000 * percentile(tally.ttfts, 0.5):.0f} ms, errors {errors}"
         + "".join(f"\n  {count} x {kind}" for kind, count in tally.errors.items())
     )
-    return await reconcile([target], db, f"after the soak of {n}") and errors == 0
+    return await reconcile(targets, db, f"after the soak of {n}") and errors == 0
 
 
 async def main(plan: Plan) -> int:
@@ -781,7 +783,7 @@ async def main(plan: Plan) -> int:
         await finish_sessions(http, routes)
         ok = await reconcile(targets, db, "load runs")
         if plan.soak:
-            ok = await soak(http, targets[2], db, plan.soak) and ok
+            ok = await soak(http, targets, db, plan.soak) and ok
         return 0 if ok else 1
     finally:
         await http.close()
