@@ -23,19 +23,24 @@ def code_blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
 
 
-async def test_the_agent_example_records_a_session_the_trainer_then_reads(
-    proxy: RunningProxy, database_url: str
-) -> None:
-    [example, training, _, _] = code_blocks("python")
+async def run_agent_example(example: str, proxy: RunningProxy) -> str:
+    """Run a README example against `proxy`, in a subprocess that does not block this loop (the
+    proxy serves from it); its output."""
     example = example.replace("http://127.0.0.1:8400", proxy.url)
-    # In a subprocess that does not block this loop: the proxy serves from it.
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-c", example,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, err = await asyncio.wait_for(child.communicate(), 60)
     assert child.returncode == 0, err.decode()
-    prompt, completion = out.decode().strip().split("] [")
+    return out.decode()
+
+
+async def test_the_agent_example_records_a_session_the_trainer_then_reads(
+    proxy: RunningProxy, database_url: str
+) -> None:
+    [example, training, _, _] = code_blocks("python")
+    prompt, completion = (await run_agent_example(example, proxy)).strip().split("] [")
     assert len(prompt.strip("[").split(",")) == 8 and completion.strip("]")
 
     # The projector (run by `trajstore up`) makes the finished session a sample; the second
@@ -57,14 +62,7 @@ async def test_the_agent_example_records_a_session_the_trainer_then_reads(
 
 async def test_the_other_apis_example_records_a_turn_of_each(proxy: RunningProxy) -> None:
     [_, _, example, _] = code_blocks("python")
-    example = example.replace("http://127.0.0.1:8400", proxy.url)
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", example,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(child.communicate(), 60)
-    assert child.returncode == 0, err.decode()
-    lines = [line.split() for line in out.decode().splitlines()]
+    lines = [line.split() for line in (await run_agent_example(example, proxy)).splitlines()]
     assert [api for api, _, _ in lines] == ["messages", "responses"]
     assert all(int(prompt) > 0 and 0 < int(completion) <= 8 for _, prompt, completion in lines)
 

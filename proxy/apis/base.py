@@ -51,6 +51,11 @@ class Translation(Protocol):
         ...
 
 
+def sse_event(name: str, data: dict[str, Any]) -> bytes:
+    """One server-sent event with a name, as both APIs' streams send them."""
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
 def text_content(parts: list[str]) -> str | list[dict[str, str]]:
     """Chat content for text blocks: one string, or text parts that the engine joins as the
     model's chat template expects (vLLM: per the template's content format)."""

@@ -29,6 +29,7 @@ from proxy.apis.base import (
     parsed_arguments,
     refuse_media,
     serialised_arguments,
+    sse_event,
     text_content,
 )
 from proxy.errors import BadRequest, ProxyError
@@ -296,10 +297,6 @@ def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _event(name: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-
-
 class MessagesStream:
     """Chat chunks as Anthropic's stream events: one content block open at a time."""
 
@@ -343,14 +340,14 @@ class MessagesStream:
         delta = {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]}
         usage = {"output_tokens": self.turn.completion_tokens}
         out.append(
-            _event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
+            sse_event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
         )
-        out.append(_event("message_stop", {"type": "message_stop"}))
+        out.append(sse_event("message_stop", {"type": "message_stop"}))
         return b"".join(out)
 
     def error(self, error: ProxyError) -> bytes:
         """Anthropic's `error` event."""
-        return _event("error", Messages().error_body(error))
+        return sse_event("error", Messages().error_body(error))
 
     def _start(self) -> bytes:
         self.started = True
@@ -359,7 +356,7 @@ class MessagesStream:
             "content": [],
             "usage": {"input_tokens": self.turn.prompt_tokens, "output_tokens": 0},
         }
-        return _event("message_start", {"type": "message_start", "message": message})
+        return sse_event("message_start", {"type": "message_start", "message": message})
 
     def _open(self, which: tuple[str, int], block: dict[str, Any]) -> list[bytes]:
         if self.open == which:
@@ -368,14 +365,16 @@ class MessagesStream:
         self.index += 1
         self.open = which
         start = {"type": "content_block_start", "index": self.index, "content_block": block}
-        out.append(_event("content_block_start", start))
+        out.append(sse_event("content_block_start", start))
         return out
 
     def _close(self) -> list[bytes]:
         if self.open is None:
             return []
         self.open = None
-        return [_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [
+            sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        ]
 
     def _text_delta(self, text: str) -> bytes:
         """The one event of every token, written without a dict in between."""
@@ -387,4 +386,4 @@ class MessagesStream:
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
         data = {"type": "content_block_delta", "index": self.index, "delta": delta}
-        return _event("content_block_delta", data)
+        return sse_event("content_block_delta", data)

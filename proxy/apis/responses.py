@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from proxy.apis.base import AssistantTurn, refuse_media, text_content
+from proxy.apis.base import AssistantTurn, refuse_media, sse_event, text_content
 from proxy.errors import BadRequest, ProxyError
 
 #: The Responses API's own fields, translated or ignored (`store`: the proxy records every
@@ -352,10 +352,6 @@ def _response(
     }
 
 
-def _event(name: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-
-
 class ResponsesStream:
     """Chat chunks as the Responses stream: one output item open at a time, numbered events."""
 
@@ -432,7 +428,7 @@ class ResponsesStream:
     def _emit(self, name: str, data: dict[str, Any]) -> bytes:
         data = {"type": name, "sequence_number": self.sequence, **data}
         self.sequence += 1
-        return _event(name, data)
+        return sse_event(name, data)
 
     def _start(self) -> list[bytes]:
         self.started = True
