@@ -1,0 +1,466 @@
+"""TRL on trajstore's samples: a `rollout_func` for `trl.GRPOTrainer`, and recorded runs as a
+`datasets.Dataset`.
+
+Online (`TrajstoreRollout`, TRL >= 1.10). TRL calls `rollout_func(prompts, trainer)` once per
+generation batch with the prompts of this process (each already repeated `num_generations`
+times by TRL's sampler) and wants one completion per prompt back. For each prompt the rollout:
+
+1. creates a session on the proxy (`POST /sessions`: run id, a task id, a group id);
+2. runs the agent, a coroutine `agent(base_url, api_key, prompt) -> reward | None`, against the
+   session's `base_url` (or `anthropic_base_url`), as it would run against any endpoint;
+3. records its reward (`POST /sessions/{id}/reward`) and finishes the session
+   (`POST /sessions/{id}/finish`), both with the session's orchestrator key;
+4. reads the session's events from the store and builds its samples with the projector's own
+   function (`store.samples.build_samples`), so what TRL gets is token for token the sample the
+   projector writes into `samples`, without waiting for the projector.
+
+A multi-turn session is one sample (the proxy's token-in continuation). A session whose history
+diverged has several branches: the rollout takes the last one (`is_final`), the one that holds
+the episode's outcome, and leaves the earlier branches to the store (`samples_dataset` and
+`trainer.replay` still see them). The other choices of an `n > 1` request are left out too.
+
+What TRL gets, per prompt, in the shape its `rollout_func` contract names:
+
+- `prompt_ids`: the sample's tokens before its first generated token;
+- `completion_ids`: every token from there on: the model's completions *and* what came between
+  them (tool results, user messages, template glue);
+- `logprobs`: the behaviour logprobs, aligned with `completion_ids` (0.0 on tokens the model did
+  not generate, NaN on generated tokens the engine gave none for, e.g. constrained decoding);
+- `env_mask`: 1 on generated tokens, 0 on the rest: TRL multiplies it into its loss mask, so
+  tool and user tokens inside the completion are never trained on;
+- `trajstore_reward`, `trajstore_session_id`: extra fields TRL forwards to reward functions;
+  `recorded_reward` is the reward function that hands TRL the agent's recorded reward.
+
+Offline (`samples_dataset`): the samples of a `Selection` as a `datasets.Dataset`, one row per
+sample, with `input_ids` and `completion_mask` as TRL's `SFTTrainer` reads pre-tokenised data.
+
+TRL, transformers and torch are never imported here: the trainer is passed in and only its
+`state.global_step` and `processing_class` are read. `datasets` and `pyarrow` are imported when
+`samples_dataset` is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import httpx
+import numpy as np
+
+from store import EventStore
+from store.connection import unavailable_as_store_error
+from store.samples import Sample, build_samples
+from store.sessions import rebuild_session
+from store.tokens import decode_logprobs, decode_token_ids
+from trainer.errors import TrainerError
+from trainer.selection import Selection
+
+if TYPE_CHECKING:
+    from datasets import Dataset  # type: ignore[import-untyped,unused-ignore]
+
+log = logging.getLogger(__name__)
+
+#: The agent: given the session's base URL, its API key and the prompt (TRL's dataset `prompt`:
+#: a string or a list of messages), it does its work through the proxy and returns its reward
+#: (None: no reward; TRL then treats the completion as unscorable).
+Agent = Callable[[str, str, Any], Awaitable[float | None]]
+
+T = TypeVar("T")
+
+
+class RolloutFailed(TrainerError):
+    """An agent failed, or a session left nothing to train on; the message says which."""
+
+
+@dataclass(frozen=True)
+class TrlSample:
+    """One sample in the shape of TRL's `rollout_func` output (see the module's docstring)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    env_mask: list[int]
+
+
+def trl_fields(sample: Sample) -> TrlSample:
+    """A sample split where the model first generated: prompt, completion, logprobs, env mask.
+
+    Raises `RolloutFailed` when the sample holds no generated token (TRL needs at least one).
+    """
+    tokens, mask, logprobs = sample.token_array(), sample.mask_array(), sample.logprob_array()
+    generated = np.flatnonzero(mask)
+    if generated.size == 0:
+        raise RolloutFailed(
+            f"session {sample.session.session_id!r}: its sample holds no generated token"
+        )
+    start = int(generated[0])
+    return TrlSample(
+        prompt_ids=tokens[:start].tolist(),
+        completion_ids=tokens[start:].tolist(),
+        logprobs=logprobs[start:].astype(np.float64).tolist(),
+        env_mask=mask[start:].astype(np.int64).tolist(),
+    )
+
+
+def final_sample(samples: Sequence[Sample]) -> Sample | None:
+    """The session's last branch (the one marked `is_final`), or None when it has no sample."""
+    return next((s for s in samples if s.is_final), None)
+
+
+def recorded_reward(
+    prompts: Sequence[Any], trajstore_reward: Sequence[float | None], **kwargs: Any
+) -> list[float | None]:
+    """A TRL reward function: the reward each agent returned (and the session recorded).
+
+    Pass it as `GRPOTrainer(reward_funcs=[recorded_reward], ...)`; None becomes NaN in TRL,
+    which leaves that completion out of its group's baseline and gives it advantage 0.
+    """
+    del kwargs
+    if len(trajstore_reward) != len(prompts):
+        raise RolloutFailed(
+            f"{len(trajstore_reward)} recorded rewards for {len(prompts)} prompts: "
+            "was the rollout_func a TrajstoreRollout?"
+        )
+    return list(trajstore_reward)
+
+
+def prompt_key(prompt: Any) -> str:
+    """A stable short hash of a prompt (a string or a list of messages): its default task id."""
+    text = json.dumps(prompt, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def run_sync(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run a coroutine to completion from synchronous code.
+
+    In a thread with no running event loop (TRL's training loop), in a new loop here. Inside a
+    running loop (a notebook), in a new loop on a worker thread, while this thread waits: the
+    proxy must then not be served from that same loop (an async test awaits
+    `TrajstoreRollout.rollout` instead, or trains with `asyncio.to_thread`).
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()
+
+
+@dataclass
+class _Episode:
+    """What one prompt's rollout produced."""
+
+    session_id: str
+    reward: float | None
+    fields: TrlSample
+    branches: int
+
+
+@dataclass
+class TrajstoreRollout:
+    """A `rollout_func` for `trl.GRPOTrainer`: each prompt becomes a recorded agent session.
+
+    `proxy_url`: the recording proxy (what `trajstore up` printed). `database_url`: its store,
+    where the finished sessions are read back. `agent`: see `Agent`. `run_id`: the run the
+    sessions belong to.
+
+    - `api`: `"openai"` gives the agent the session's `base_url`, `"anthropic"` its
+      `anthropic_base_url`.
+    - `admin_key`: the proxy's `TRAJSTORE_API_KEY`, when it has one (creating sessions and
+      setting the policy version need it; an open proxy needs none).
+    - `task_id`: the session's task id from its prompt (default: a hash of the prompt).
+    - `metadata`: added to every session's metadata (`{"tags": [...]}` tags its samples).
+    - `max_concurrency`: agents run at once.
+    - `agent_timeout`: seconds an agent may take (None: no limit); past it the session is
+      finished as `timeout` and handled as a failure.
+    - `on_agent_error`: `"raise"` (the default) finishes every session, then raises the first
+      failure; `"mask"` keeps going: the failed session is finished as `error` (or `timeout`),
+      gets no reward, and TRL gets its tokens (or a one-token placeholder when it has none) with
+      an all-zero `env_mask` and reward None, so it adds nothing to the loss.
+    - `publish_policy_version`: before each rollout, tell the proxy's engines that the policy
+      version is TRL's `global_step` (`POST /admin/engines/policy-version`), so samples carry it.
+      Turn it on when the engine behind the proxy gets TRL's weights (`use_vllm=True`, server
+      mode); without a weight sync, the version would claim weights the engine does not have.
+    - `timeout`: seconds for each call to the proxy.
+
+    Sessions of one call that share a prompt share a group id (`{run_id}/{step}/{call}/{task_id}`,
+    `step` being TRL's global step and `call` this object's count of rollouts), as they share
+    TRL's GRPO group: TRL calls every process once per generation batch, so processes that split
+    a group agree on it, and the step keeps a resumed training's groups apart from the last
+    one's. The same prompt twice in one generation batch makes one group of both.
+    """
+
+    proxy_url: str
+    database_url: str
+    agent: Agent
+    run_id: str
+    api: Literal["openai", "anthropic"] = "openai"
+    admin_key: str | None = None
+    task_id: Callable[[Any], str] = prompt_key
+    metadata: dict[str, Any] = field(default_factory=dict)
+    max_concurrency: int = 16
+    agent_timeout: float | None = None
+    on_agent_error: Literal["raise", "mask"] = "raise"
+    publish_policy_version: bool = False
+    timeout: float = 60.0
+    calls: int = 0  #: how many rollouts this object has run (names the groups)
+
+    def __post_init__(self) -> None:
+        self.proxy_url = self.proxy_url.rstrip("/")
+        if self.api not in ("openai", "anthropic"):
+            raise ValueError(f"api must be 'openai' or 'anthropic', got {self.api!r}")
+        if self.on_agent_error not in ("raise", "mask"):
+            raise ValueError(
+                f"on_agent_error must be 'raise' or 'mask', got {self.on_agent_error!r}"
+            )
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        """TRL's entry point: `GRPOTrainer(rollout_func=TrajstoreRollout(...))`."""
+        state = getattr(trainer, "state", None)
+        step = getattr(state, "global_step", None)
+        tokenizer = getattr(trainer, "processing_class", None)
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor holds one
+        eos = getattr(tokenizer, "eos_token_id", None)
+        placeholder = eos if isinstance(eos, int) else 0
+        return run_sync(
+            lambda: self.rollout(
+                prompts,
+                step=step if isinstance(step, int) else None,
+                placeholder_token_id=placeholder,
+            )
+        )
+
+    async def rollout(
+        self, prompts: Sequence[Any], *, step: int | None = None, placeholder_token_id: int = 0
+    ) -> dict[str, list[Any]]:
+        """The same as calling the object, from async code: one episode per prompt, in order.
+
+        `step`: TRL's global step (recorded in each session's metadata, and the policy version
+        when `publish_policy_version`). `placeholder_token_id`: the token of a masked-out failed
+        episode that recorded no token (TRL's `__call__` passes the tokenizer's EOS).
+        """
+        call = self.calls
+        self.calls += 1
+        headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+        limit = asyncio.Semaphore(self.max_concurrency)
+        store = await EventStore.open(self.database_url, min_size=1, max_size=2)
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout, headers=headers) as http:
+                if self.publish_policy_version and step is not None:
+                    await _post(http, f"{self.proxy_url}/admin/engines/policy-version",
+                                {"version": str(step)})  # fmt: skip
+
+                async def one(index: int, prompt: Any) -> _Episode:
+                    async with limit:
+                        return await self._episode(
+                            http, store, prompt, call, index, step, placeholder_token_id
+                        )
+
+                results = await asyncio.gather(
+                    *(one(i, p) for i, p in enumerate(prompts)), return_exceptions=True
+                )
+        finally:
+            await store.close()
+        episodes: list[_Episode] = []
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result  # the first failure, after every session was finished
+            episodes.append(result)
+        for episode in episodes:
+            if episode.branches > 1:
+                log.info(
+                    "session %s has %d branches; TRL gets the last one",
+                    episode.session_id,
+                    episode.branches,
+                )
+        return {
+            "prompt_ids": [e.fields.prompt_ids for e in episodes],
+            "completion_ids": [e.fields.completion_ids for e in episodes],
+            "logprobs": [e.fields.logprobs for e in episodes],
+            "env_mask": [e.fields.env_mask for e in episodes],
+            "trajstore_reward": [e.reward for e in episodes],
+            "trajstore_session_id": [e.session_id for e in episodes],
+        }
+
+    async def _episode(
+        self,
+        http: httpx.AsyncClient,
+        store: EventStore,
+        prompt: Any,
+        call: int,
+        index: int,
+        step: int | None,
+        placeholder_token_id: int,
+    ) -> _Episode:
+        task_id = self.task_id(prompt)
+        body = {
+            "run_id": self.run_id,
+            "task_id": task_id,
+            "group_id": f"{self.run_id}/{'-' if step is None else step}/{call}/{task_id}",
+            "metadata": {**self.metadata, "trl": {"step": step, "rollout": call, "index": index}},
+        }
+        session = await _post(http, f"{self.proxy_url}/sessions", body)
+        session_id = str(session["session_id"])
+        grader = {"Authorization": f"Bearer {session['orchestrator_key']}"}
+        base_url = session["base_url" if self.api == "openai" else "anthropic_base_url"]
+        url = f"{self.proxy_url}/sessions/{session_id}"
+
+        failure: BaseException | None = None
+        status = "completed"
+        reward: float | None = None
+        try:
+            value = await asyncio.wait_for(
+                self.agent(base_url, session["api_key"], prompt), self.agent_timeout
+            )
+            if value is not None:
+                reward = float(value)
+                if not math.isfinite(reward):
+                    raise RolloutFailed(f"session {session_id!r}: the agent returned {value!r}")
+        except TimeoutError as error:
+            failure, status = error, "timeout"
+        except Exception as error:  # the agent's own failure, whatever it is
+            failure, status = error, "error"
+        if failure is None and reward is not None:
+            await _post(http, f"{url}/reward", {"value": reward, "source": "trl_rollout"}, grader)
+        finish: dict[str, Any] = {"status": status}
+        if failure is not None:
+            finish["reason"] = f"{type(failure).__name__}: {failure}"[:500]
+        await _post(http, f"{url}/finish", finish, grader, ok=(200, 409))
+
+        if failure is not None and self.on_agent_error == "raise":
+            raise RolloutFailed(f"session {session_id!r}: the agent failed ({status})") from failure
+        async with unavailable_as_store_error():
+            record = rebuild_session(session_id, await store.read_session(session_id), packed=True)
+        samples = build_samples(record)
+        sample = final_sample(samples)
+        branches = len([s for s in samples if s.alternative_of is None])
+        if failure is None:
+            if sample is None:
+                raise RolloutFailed(
+                    f"session {session_id!r}: the agent made no completed model call, so there "
+                    "is nothing to train on (on_agent_error='mask' keeps going past such agents)"
+                )
+            return _Episode(session_id, reward, trl_fields(sample), branches)
+        log.warning("session %s: the agent failed (%s), masked out: %s", session_id, status,
+                    failure)  # fmt: skip
+        return _Episode(session_id, None, _masked(sample, placeholder_token_id), branches)
+
+
+def _masked(sample: Sample | None, placeholder_token_id: int) -> TrlSample:
+    """A failed episode's tokens with nothing to learn from: env mask 0 everywhere."""
+    try:
+        if sample is not None:
+            fields = trl_fields(sample)
+            return TrlSample(
+                fields.prompt_ids,
+                fields.completion_ids,
+                fields.logprobs,
+                [0] * len(fields.env_mask),
+            )
+    except RolloutFailed:
+        pass
+    return TrlSample([placeholder_token_id], [placeholder_token_id], [math.nan], [0])
+
+
+async def _post(
+    http: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    ok: tuple[int, ...] = (200, 201),
+) -> dict[str, Any]:
+    """POST to the proxy; `RolloutFailed` with its answer when the status is not in `ok`."""
+    response = await http.post(url, json=body, headers=headers)
+    if response.status_code not in ok:
+        raise RolloutFailed(f"POST {url}: {response.status_code} {response.text[:500]}")
+    answer = response.json()
+    return answer if isinstance(answer, dict) else {"answer": answer}
+
+
+# -- offline -------------------------------------------------------------------------------------
+
+#: The selected samples, one row each, in sample id order (`{where}`: `Selection.where()`).
+SELECT_SAMPLES = """
+SELECT sample_id, session_id, run_id, task_id, group_id, branch, is_final, status,
+       finish_reason, reward, policy_version_min, prompt_len, token_ids, loss_mask, logprobs
+FROM samples
+WHERE {where}
+ORDER BY sample_id
+"""
+
+#: The columns of `samples_dataset`, in order.
+DATASET_COLUMNS = (
+    "sample_id", "session_id", "run_id", "task_id", "group_id", "branch", "is_final", "status",
+    "finish_reason", "reward", "policy_version_min", "prompt_len", "input_ids",
+    "completion_mask", "logprobs",
+)  # fmt: skip
+
+
+async def read_samples_table(source: str | EventStore, selection: Selection | None = None) -> Any:
+    """The selected samples as a `pyarrow.Table` with `DATASET_COLUMNS` (see `samples_dataset`)."""
+    import pyarrow as pa
+
+    selection = selection or Selection()
+    where, arguments = selection.where()
+    store = source if isinstance(source, EventStore) else await EventStore.open(source, max_size=1)
+    try:
+        async with unavailable_as_store_error(), store.pool.acquire() as conn:
+            rows = await conn.fetch(SELECT_SAMPLES.format(where=where), *arguments)
+    finally:
+        if store is not source:
+            await store.close()
+
+    def lists(parts: list[np.ndarray[Any, Any]], dtype: Any) -> Any:
+        offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+        np.cumsum([len(p) for p in parts], out=offsets[1:])
+        values = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+        return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+    tokens = [np.asarray(decode_token_ids(r["token_ids"]), np.int32) for r in rows]
+    masks = [np.frombuffer(r["loss_mask"], dtype=np.uint8) for r in rows]
+    logprobs = [np.asarray(decode_logprobs(r["logprobs"]), np.float32) for r in rows]
+    columns: dict[str, Any] = {
+        "sample_id": pa.array([str(r["sample_id"]) for r in rows], pa.string()),
+        "session_id": pa.array([r["session_id"] for r in rows], pa.string()),
+        "run_id": pa.array([r["run_id"] for r in rows], pa.string()),
+        "task_id": pa.array([r["task_id"] for r in rows], pa.string()),
+        "group_id": pa.array([r["group_id"] for r in rows], pa.string()),
+        "branch": pa.array([r["branch"] for r in rows], pa.int32()),
+        "is_final": pa.array([r["is_final"] for r in rows], pa.bool_()),
+        "status": pa.array([r["status"] for r in rows], pa.string()),
+        "finish_reason": pa.array([r["finish_reason"] for r in rows], pa.string()),
+        "reward": pa.array([r["reward"] for r in rows], pa.float64()),
+        "policy_version_min": pa.array([r["policy_version_min"] for r in rows], pa.int64()),
+        "prompt_len": pa.array([r["prompt_len"] for r in rows], pa.int32()),
+        "input_ids": lists(tokens, np.int32),
+        "completion_mask": lists(masks, np.int8),
+        "logprobs": lists(logprobs, np.float32),
+    }
+    return pa.table({name: columns[name] for name in DATASET_COLUMNS})
+
+
+def samples_dataset(database_url: str, selection: Selection | None = None) -> Dataset:
+    """The samples of a recorded run (any `Selection`) as a `datasets.Dataset`, one row each.
+
+    Rows are in sample id order. Columns (`DATASET_COLUMNS`): the sample's identity and outcome
+    (`sample_id`, `session_id`, `run_id`, `task_id`, `group_id`, `branch`, `is_final`, `status`,
+    `finish_reason`, `reward`, `policy_version_min`), `prompt_len` (tokens before the first
+    generated one), and the token arrays: `input_ids` (int32), `completion_mask` (int8, the loss
+    mask: 1 where the model generated the token) and `logprobs` (float32, the behaviour
+    logprobs; 0.0 where the mask is 0). `input_ids` and `completion_mask` are the columns TRL's
+    `SFTTrainer` reads from a pre-tokenised dataset (with `completion_only_loss=True`).
+
+    Every row is held in memory. From async code, `Dataset(await read_samples_table(...))`.
+    """
+    from datasets import Dataset
+
+    return Dataset(run_sync(lambda: read_samples_table(database_url, selection)))
