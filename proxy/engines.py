@@ -119,6 +119,7 @@ class EnginePool:
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout)
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
+        self._checks: set[asyncio.Task[bool]] = set()  # checks of suspects, kept until done
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         """Check every engine once, then keep re-checking them in the background."""
@@ -130,6 +131,8 @@ class EnginePool:
 
     async def close(self) -> None:
         """Stop the background health checks; the session stays open (the caller owns it)."""
+        for check in list(self._checks):
+            check.cancel()
         task, self._task = self._task, None
         if task is None:
             return
@@ -191,6 +194,16 @@ class EnginePool:
             )
         engine.policy_version = version
         return engine
+
+    def suspect(self, engine: Engine, error: str) -> None:
+        """Take `engine` out of rotation after a stream from it broke off, and check it now:
+        a dead engine stays out, one that still answers its health check is back at once (a
+        connection can break while the engine lives)."""
+        self.mark_failed(engine, error)
+        if self._session is not None:
+            check = asyncio.create_task(self.check(engine), name=f"check {engine.url}")
+            self._checks.add(check)
+            check.add_done_callback(self._checks.discard)
 
     def mark_failed(self, engine: Engine, error: str) -> None:
         """Take `engine` out of rotation after a request failed to reach it."""

@@ -319,6 +319,10 @@ class Forwarder:
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
             reason = "engine_timeout" if isinstance(exc, TimeoutError) else "engine_error"
             message = f"the engine stream broke off: {type(exc).__name__}: {exc}"
+            if isinstance(exc, aiohttp.ClientError):
+                # The connection broke (an engine killed mid-stream): the session's next
+                # requests go elsewhere unless the engine still answers its health check.
+                self.engines.suspect(engine, message)
             await recorder.failed(reason, message)
             self._count(api, 502)
             yield relay.error(EngineFailed(message))

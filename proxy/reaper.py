@@ -9,11 +9,13 @@ died leaves sessions nobody finishes, too. So every replica runs a `Reaper`, whi
 
 1. fails each open request whose replica is gone: it appends `request_failed {reason:
    replica_lost, partial_tokens}` after the request's last event, keeping the tokens that did
-   reach the log. Gone means absent from the live replicas (`proxy.replicas`: their connections
-   in pg_stat_activity) on every look for at least `lost_after` seconds, and the request
-   unchanged for as long. That bound must exceed a writer's retry time (30 s): a replica that
-   is only reconnecting after a PostgreSQL restart is absent for a moment, and its writer still
-   holds the request's next events;
+   reach the log. Gone means absent from the live replicas (`proxy.replicas`: their
+   connections in pg_stat_activity) on every look for at least `lost_after` seconds, and the
+   request unchanged for as long. Sessions finished while the reaper watches (an orchestrator
+   that finished at once after the crash) are looked at for a while longer, so that their cut
+   turns do not stay open for good. The bound must exceed a writer's retry time (30 s): a
+   replica that is only reconnecting after a PostgreSQL restart is absent for a moment, and its
+   writer still holds the request's next events;
 2. finishes as `timeout` each session with no event for `idle_timeout` seconds, through the same
    `finish` (the barrier across replicas included) an orchestrator's finish takes.
 
@@ -63,6 +65,10 @@ class Reaper:
         self.lost_after = lost_after
         self.idle_timeout = idle_timeout
         self._absent_since: dict[str, float] = {}  # replica id -> first look it was absent
+        # Sessions finished lately (session id -> when seen), and how far the log was read for
+        # them: their requests may still be open when a replica died just before the finish.
+        self._finished: dict[str, float] = {}
+        self._finished_after: tuple[int, int] | None = None
 
     async def run(self) -> None:
         """Look every `interval` seconds until cancelled; a failed look is retried next time."""
@@ -76,9 +82,10 @@ class Reaper:
     async def reap(self) -> Reaped:
         """One look: fail what dead replicas left open, finish what was left idle."""
         done = Reaped()
-        rows = await self.store.pool.fetch(queries.ACTIVE_SESSION_STREAMS)
-        live = await self.registry.replicas.live()
         now = time.monotonic()
+        recent = await self._recently_finished(now)
+        rows = await self.store.pool.fetch(queries.ACTIVE_SESSION_STREAMS, recent)
+        live = await self.registry.replicas.live()
         seen_absent = {r["replica"] for r in rows if r["replica"] and r["replica"] not in live}
         self._absent_since = {
             replica: self._absent_since.get(replica, now) for replica in seen_absent
@@ -89,11 +96,31 @@ class Reaper:
             idle[session] = min(idle.get(session, row["idle_s"]), row["idle_s"])
             if self._lost(row, now) and await self._fail(row):
                 done.requests_failed.append(row["stream_id"])
+        active = {row["session_id"] for row in rows if row["active"]}
         for session, idle_s in idle.items():
+            if session not in active:
+                continue
             timed_out = self.idle_timeout and idle_s >= self.idle_timeout
             if timed_out and await self._time_out(session, idle_s):
                 done.sessions_timed_out.append(session)
         return done
+
+    async def _recently_finished(self, now: float) -> list[str]:
+        """The sessions finished in the last few looks (from the reaper's start on)."""
+        if self._finished_after is None:
+            self._finished_after = await self.store.horizon()
+        while True:  # the session facts index: the finishes alone, in log order
+            finishes = await self.store.read_types(
+                [EventType.SESSION_FINISHED.value], after=self._finished_after
+            )
+            for fact in finishes:
+                self._finished[fact.session_id or ""] = now
+                self._finished_after = (fact.tx_id, fact.position)
+            if len(finishes) < 1000:  # read_types' page
+                break
+        keep = 2 * self.lost_after + 3 * self.interval  # long enough to see the replica gone
+        self._finished = {s: t for s, t in self._finished.items() if now - t <= keep}
+        return list(self._finished)
 
     def _lost(self, row: Any, now: float) -> bool:
         """Whether an open request's replica has been gone, and the request still, long enough."""

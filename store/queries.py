@@ -261,10 +261,11 @@ NOTIFY = "SELECT pg_notify($1, $2)"
 
 # -- the proxy's reaper (`proxy.reaper`) ----------------------------------------------------------
 
-#: Every stream of every session still active (created, never finished), with what the reaper
-#: needs of each: its version, when it last changed, whether a request ended, the replica that
-#: served it, and the completion tokens that reached the log. The active sessions come from the
-#: lifecycle index (`ix_events_session_lifecycle`), their events from the session index.
+#: Every stream of every session still active (created, never finished) and of the sessions in
+#: $1 (finished lately), with what the reaper needs of each: whether its session is active, its
+#: version, when it last changed, whether a request ended, the replica that served it, and the
+#: completion tokens that reached the log. The active sessions come from the lifecycle index
+#: (`ix_events_session_lifecycle`), their events from the session index.
 ACTIVE_SESSION_STREAMS = """
 WITH active AS (
     SELECT created.session_id FROM events AS created
@@ -274,8 +275,14 @@ WITH active AS (
           WHERE finished.event_type = 'session_finished'
             AND finished.session_id = created.session_id
       )
+), watched AS (
+    SELECT session_id, true AS active FROM active
+    UNION
+    SELECT recent.session_id, false FROM unnest($1::text[]) AS recent (session_id)
+    WHERE recent.session_id NOT IN (SELECT session_id FROM active)
 )
 SELECT
+    watched.active,
     e.session_id,
     e.stream_id,
     max(e.run_id) AS run_id,
@@ -285,6 +292,6 @@ SELECT
     max(e.payload ->> 'replica') FILTER (WHERE e.event_type = 'request_received') AS replica,
     coalesce(sum(octet_length(e.token_ids) / 4)
              FILTER (WHERE e.event_type = 'completion_chunk'), 0)::bigint AS tokens
-FROM active JOIN events AS e ON e.session_id = active.session_id
-GROUP BY e.session_id, e.stream_id
+FROM watched JOIN events AS e ON e.session_id = watched.session_id
+GROUP BY watched.active, e.session_id, e.stream_id
 """

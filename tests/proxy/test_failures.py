@@ -119,6 +119,47 @@ async def test_engine_dropping_mid_stream_is_an_error_to_the_agent_and_a_record(
     assert int(failure["partial_tokens"]["0"]) > 0
 
 
+async def test_a_live_engine_whose_stream_broke_serves_the_next_request(
+    proxy: RunningProxy,
+) -> None:
+    session = await proxy.new_session()
+    stream = await proxy.agent(session).chat.completions.create(
+        **CHAT, stream=True, extra_headers={"X-Fake-Fault": "drop-mid-stream"}
+    )
+    with pytest.raises(openai.APIError):
+        async for _ in stream:
+            pass
+    # The broken stream made the engine a suspect; it answers its health check, so it is back.
+    await eventually(lambda: all(e.healthy for e in proxy.app.state.proxy.engines.engines))
+    await proxy.agent(session).chat.completions.create(**CHAT)
+
+
+async def test_an_engine_killed_mid_stream_gets_no_more_requests(
+    start_proxy: ProxyFactory,
+) -> None:
+    async with FakeEngine(token_delay=0.05) as first, FakeEngine(token_delay=0.05) as second:
+        proxy = await start_proxy([first.url, second.url])
+        pool = proxy.app.state.proxy.engines
+        session = await proxy.new_session()
+        doomed = pool.choose(session["session_id"])
+        stream = await proxy.agent(session).chat.completions.create(
+            **{**CHAT, "max_tokens": 40}, stream=True
+        )
+
+        async def read_and_kill_its_engine() -> None:
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    await (first if doomed.url == first.url else second).stop()
+
+        with pytest.raises(openai.APIError):
+            await read_and_kill_its_engine()
+        # The next request of the session goes to the other engine at once, not to the dead
+        # one (which would be a 502 and a failed turn until the next health check).
+        answer = await proxy.agent(session).chat.completions.create(**CHAT)
+        assert answer.choices[0].message.content
+        assert not doomed.healthy
+
+
 async def test_a_saturated_recorder_refuses_new_requests_with_503(
     start_proxy: ProxyFactory, engine: FakeEngine, database_url: str
 ) -> None:

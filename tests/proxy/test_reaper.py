@@ -53,6 +53,30 @@ async def start_replica(engine: FakeEngine, database_url: str) -> tuple[Any, str
     raise AssertionError("the second replica did not start")
 
 
+async def stream_then_kill(
+    replica: Any, url: str, session: dict[str, Any], *, after_tokens: int
+) -> int:
+    """Stream a turn of `session` through the replica at `url`, SIGKILL it once the agent has
+    `after_tokens` tokens (and its writer had a moment to store them); the tokens received."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "count"}],
+            "max_tokens": 64, "stream": True}  # fmt: skip
+    path = f"{url}/sessions/{session['session_id']}/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {session['api_key']}"}
+    received = 0
+    async with (
+        httpx.AsyncClient(timeout=30) as http,
+        http.stream("POST", path, json=body, headers=headers) as stream,
+    ):
+        async for line in stream.aiter_lines():
+            received += line.startswith("data:") and '"content"' in line
+            if received == after_tokens:
+                await asyncio.sleep(0.3)  # its writer stores what it has
+                replica.send_signal(signal.SIGKILL)
+                break
+    await replica.wait()
+    return received
+
+
 async def session_record(proxy: RunningProxy, session_id: str) -> dict[str, Any]:
     response = await proxy.http.get(f"{proxy.url}/sessions/{session_id}")
     assert response.status_code == 200, response.text
@@ -67,23 +91,8 @@ async def test_a_replica_killed_mid_stream_leaves_a_failed_turn_not_an_open_one(
     b, b_url = await start_replica(slow_engine, database_url)
     try:
         session = await a.new_session()
-        sid, key = session["session_id"], session["api_key"]
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "count"}],
-                "max_tokens": 64, "stream": True}  # fmt: skip
-        received = 0
-        async with (
-            httpx.AsyncClient(timeout=30) as http,
-            http.stream("POST", f"{b_url}/sessions/{sid}/v1/chat/completions", json=body,
-                        headers={"Authorization": f"Bearer {key}"}) as stream,
-        ):  # fmt: skip
-            async for line in stream.aiter_lines():
-                if line.startswith("data:") and '"content"' in line:
-                    received += 1
-                if received == 24:
-                    await asyncio.sleep(0.3)  # its writer stores what it has
-                    b.send_signal(signal.SIGKILL)
-                    break
-        await b.wait()
+        sid = session["session_id"]
+        received = await stream_then_kill(b, b_url, session, after_tokens=24)
 
         turn = None
         for _ in range(100):
@@ -102,6 +111,32 @@ async def test_a_replica_killed_mid_stream_leaves_a_failed_turn_not_an_open_one(
         )
         finished = await a.http.post(f"{a.url}/sessions/{sid}/finish", json={"status": "completed"})
         assert finished.status_code == 200
+    finally:
+        if b.returncode is None:
+            b.kill()
+            await b.wait()
+
+
+async def test_a_cut_turn_is_recorded_even_when_its_session_was_finished_at_once(
+    start_proxy: ProxyFactory, slow_engine: FakeEngine, database_url: str
+) -> None:
+    a = await start_proxy([slow_engine.url], **REAPING)
+    b, b_url = await start_replica(slow_engine, database_url)
+    try:
+        session = await a.new_session()
+        sid = session["session_id"]
+        await stream_then_kill(b, b_url, session, after_tokens=1)
+        # The orchestrator gives up at once, long before the replica counts as lost.
+        finished = await a.http.post(f"{a.url}/sessions/{sid}/finish", json={"status": "error"})
+        assert finished.status_code == 200
+        turn = None
+        for _ in range(100):
+            [turn] = (await session_record(a, sid))["turns"]
+            if turn["status"] != "in_progress":
+                break
+            await asyncio.sleep(0.1)
+        assert turn is not None and turn["status"] == "failed"
+        assert turn["failure"]["reason"] == "replica_lost"
     finally:
         if b.returncode is None:
             b.kill()
