@@ -9,7 +9,10 @@ random rewards) straight into the `samples` table of a fresh, migrated database,
            turned into numpy with np.frombuffer: the least any reader must do;
 - padded:  `trainer.replay.replay(..., batch_size=N)`: index query, seeded shuffle, group
            advantages, per-batch array reads, padded int64/bool/float32 tensors;
-- packed:  the same with `pack=True` into rows of `--budget` tokens.
+- packed:  the same with `pack=True` into rows of `--budget` tokens;
+- verl:    `trainer.verl_batch.verl_batches(..., batch_size=N)`: the same samples as verl's
+           DataProto (left-padded prompts, right-padded responses, masks, position ids,
+           behaviour logprobs, token-level rewards), what a verl actor update consumes.
 
 Tokens/s counts real (non-padding) tokens. The database is TRAJSTORE_DATABASE_URL's server, else
 the embedded one; it needs the right to create databases. Prints medians and ratios (raw time /
@@ -106,6 +109,17 @@ async def replayed(store: EventStore, **layout: object) -> int:
     return tokens
 
 
+async def verl_batched(store: EventStore, batch_size: int) -> int:
+    """Every verl batch of the run: real tokens batched (the attention mask's ones)."""
+    from trainer.verl_batch import verl_batches  # imports verl: only when measured
+
+    tokens = 0
+    async for batch in verl_batches(store, Selection(runs=(RUN_ID,)), batch_size=batch_size,
+                                    seed=1):  # fmt: skip
+        tokens += int(batch.batch["attention_mask"].sum())
+    return tokens
+
+
 async def main(n_tokens: int, sample_tokens: int, runs: int, batch_size: int, budget: int) -> None:
     databases = Databases(await asyncio.to_thread(database_url))
     await databases.setup()  # one fresh, migrated database is all this needs
@@ -120,11 +134,12 @@ async def main(n_tokens: int, sample_tokens: int, runs: int, batch_size: int, bu
             total = sum(len(r[9]) // 4 for r in rows)  # type: ignore[arg-type]
             print(f"workload: {len(rows)} samples, {total} tokens, batches of {batch_size}, "
                   f"packed rows of {budget} tokens")  # fmt: skip
-            times: dict[str, list[float]] = {"raw": [], "padded": [], "packed": []}
+            times: dict[str, list[float]] = {"raw": [], "padded": [], "packed": [], "verl": []}
             work: dict[str, Callable[[], Awaitable[int]]] = {
                 "raw": lambda: raw_read(conn),
                 "padded": lambda: replayed(store, batch_size=batch_size),
                 "packed": lambda: replayed(store, token_budget=budget, pack=True),
+                "verl": lambda: verl_batched(store, batch_size),
             }
             for run in range(runs):
                 # Alternate the order, so no side always gets the warmer cache.
@@ -141,6 +156,7 @@ async def main(n_tokens: int, sample_tokens: int, runs: int, batch_size: int, bu
     print(f"medians of {runs} runs; ratio = raw time / replay time (1.00x = as fast as raw)")
     print(line("padded", times["padded"], times["raw"], total, label="replay", width=8))
     print(line("packed", times["packed"], times["raw"], total, label="replay", width=8))
+    print(line("verl", times["verl"], times["raw"], total, label="replay", width=8))
 
 
 if __name__ == "__main__":
