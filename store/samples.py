@@ -31,6 +31,7 @@ Deliberate choices, each tested:
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,3 +261,10 @@ def build_samples(session: SessionRecord) -> list[Sample]:
     if branches:
         branches[-1].is_final = True
     return samples
+
+
+def final_branch(samples: Sequence[Sample]) -> Sample | None:
+    """The session's final branch (`is_final`: the last one, which holds the episode's outcome),
+    or None when the session made no sample: what a trainer that takes one sequence per
+    episode trains on (`trainer.trl_rollout`, `trainer.verl_loop`)."""
+    return next((s for s in samples if s.is_final), None)

@@ -56,7 +56,7 @@ import numpy as np
 
 from store import EventStore
 from store.connection import unavailable_as_store_error
-from store.samples import Sample, build_samples
+from store.samples import Sample, build_samples, final_branch
 from store.sessions import rebuild_session
 from store.tokens import decode_logprobs, decode_token_ids
 from trainer.errors import TrainerError
@@ -107,11 +107,6 @@ def trl_fields(sample: Sample) -> TrlSample:
         logprobs=logprobs[start:].astype(np.float64).tolist(),
         env_mask=mask[start:].astype(np.int64).tolist(),
     )
-
-
-def final_sample(samples: Sequence[Sample]) -> Sample | None:
-    """The session's last branch (the one marked `is_final`), or None when it has no sample."""
-    return next((s for s in samples if s.is_final), None)
 
 
 def recorded_reward(
@@ -341,7 +336,7 @@ class TrajstoreRollout:
         async with unavailable_as_store_error():
             record = rebuild_session(session_id, await store.read_session(session_id), packed=True)
         samples = build_samples(record)
-        sample = final_sample(samples)
+        sample = final_branch(samples)
         branches = len([s for s in samples if s.alternative_of is None])
         if failure is None:
             if sample is None:

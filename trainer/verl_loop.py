@@ -51,7 +51,7 @@ import logging
 import os
 import shlex
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +65,7 @@ from verl.experimental.agent_loop.agent_loop import (
 )
 
 from store import EventStore
-from store.samples import Sample, build_samples
+from store.samples import build_samples, final_branch
 from store.sessions import SessionRecord, rebuild_session
 from trainer.verl_batch import split_sample
 
@@ -164,15 +164,6 @@ def resolve_agent(agent: str | Agent) -> Agent:
 # -- the conversion --------------------------------------------------------------------------
 
 
-def final_sample(samples: Sequence[Sample]) -> Sample | None:
-    """The session's final branch (the last one when none says so); None without samples."""
-    branches = [s for s in samples if s.alternative_of is None]
-    for sample in branches:
-        if sample.is_final:
-            return sample
-    return branches[-1] if branches else None
-
-
 def output_fields(
     session: SessionRecord,
     *,
@@ -189,7 +180,7 @@ def output_fields(
     session's turns (recorded latencies), tool_calls the rest of `wall_s`.
     """
     samples = build_samples(session)
-    chosen = final_sample(samples)
+    chosen = final_branch(samples)
     branches = sum(1 for s in samples if s.alternative_of is None)
     empty = np.zeros(0, dtype=np.int64)
     if chosen is None:  # no completed model call: nothing to train on

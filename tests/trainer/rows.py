@@ -15,6 +15,7 @@ import asyncpg
 import numpy as np
 
 from store.samples import PROJECTION_VERSION
+from store.sessions import ChoiceRecord, SessionRecord, TurnRecord
 from store.tokens import encode_logprobs, encode_token_ids
 
 
@@ -74,3 +75,22 @@ async def insert_samples(conn: asyncpg.Connection, rows: Sequence[dict[str, Any]
         f"INSERT INTO samples ({', '.join(columns)}) VALUES ({placeholders})",
         [[row[c] for c in columns] for row in rows],
     )
+
+
+def completed_turn(prompt: list[int], completion: list[int], index: int) -> TurnRecord:
+    """A completed chat turn as rebuilt from the log (logprobs -0.5 each)."""
+    record = TurnRecord(f"r{index}", "chat", {}, "e", "0", None, False, {}, prompt)
+    record.status = "completed"
+    record.choices[0] = ChoiceRecord(0, completion, [-0.5] * len(completion), finish_reason="stop")
+    return record
+
+
+def branched_session(eos: int) -> SessionRecord:
+    """Three turns, two branches: turn 1 extends turn 0, turn 2 rewrote the history."""
+    session = SessionRecord("s", run_id="r", status="completed")
+    session.turns = [
+        completed_turn([1, 10], [20, eos], 0),
+        completed_turn([1, 10, 20, eos, 30], [40, eos], 1),
+        completed_turn([1, 11], [50, 51, eos], 2),
+    ]
+    return session

@@ -17,19 +17,18 @@ from openai import AsyncOpenAI
 
 from store import EventStore
 from store.projection import Projector
-from store.samples import build_samples
-from store.sessions import ChoiceRecord, SessionRecord, TurnRecord, rebuild_session
+from store.samples import build_samples, final_branch
+from store.sessions import rebuild_session
 from store.tokens import decode_logprobs, decode_token_ids
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory
-from tests.trainer.rows import insert_samples, sample_row
+from tests.trainer.rows import branched_session, insert_samples, sample_row
 from trainer.selection import Selection
 from trainer.trl_rollout import (
     DATASET_COLUMNS,
     Agent,
     RolloutFailed,
     TrajstoreRollout,
-    final_sample,
     recorded_reward,
     samples_dataset,
     trl_fields,
@@ -261,23 +260,10 @@ async def test_sft_trainer_trains_on_the_generated_tokens_of_a_recorded_run(
 # -- without vLLM: the shape rules, and failing agents (the fake engine) --------------------------
 
 
-def _turn(prompt: list[int], completion: list[int], index: int) -> TurnRecord:
-    record = TurnRecord(f"r{index}", "chat", {}, "e", "0", None, False, {}, prompt)
-    record.status = "completed"
-    record.choices[0] = ChoiceRecord(0, completion, [-0.5] * len(completion), finish_reason="stop")
-    return record
-
-
 def test_a_session_with_branches_gives_trl_its_last_branch() -> None:
-    session = SessionRecord("s", run_id="r", status="completed")
-    session.turns = [
-        _turn([1, 10], [20, EOS], 0),
-        _turn([1, 10, 20, EOS, 30], [40, EOS], 1),  # extends the first
-        _turn([1, 11], [50, 51, EOS], 2),  # the history was rewritten: a new branch
-    ]
-    samples = build_samples(session)
+    samples = build_samples(branched_session(EOS))
     assert len(samples) == 2
-    fields = trl_fields(final_sample(samples))  # type: ignore[arg-type]
+    fields = trl_fields(final_branch(samples))  # type: ignore[arg-type]
     assert (fields.prompt_ids, fields.completion_ids) == ([1, 11], [50, 51, EOS])
     assert fields.env_mask == [1, 1, 1] and fields.logprobs == [-0.5] * 3
     first = trl_fields(samples[0])

@@ -27,18 +27,18 @@ from verl.protocol import DataProto
 from proxy.tiny_model import build_tiny_model
 from store import EventStore
 from store.projection import Projector
-from store.samples import build_samples
+from store.samples import build_samples, final_branch
 from store.tokens import encode_logprobs, encode_token_ids
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory
-from tests.trainer.rows import insert_samples, sample_row
+from tests.trainer.rows import branched_session, insert_samples, sample_row
 from trainer.errors import BadSelection
 from trainer.selection import Selection
 from trainer.verl_batch import TENSOR_FIELDS, split_sample, verl_batch, verl_batches
 from trainer.verl_loop import (
     AgentFailed,
     TrajstoreSettings,
-    final_sample,
+    output_fields,
     read_recorded_session,
     run_episode,
 )
@@ -162,7 +162,7 @@ async def agent_loop_through_verl(
     assert (session.group_id, session.task_id) == ("prompt-7", "task-7")
     assert len(session.turns) == 2
     samples = build_samples(session)
-    sample = final_sample(samples)
+    sample = final_branch(samples)
     assert sample is not None and len(samples) == 1 and sample.divergence is None
 
     tokens, mask = sample.token_ids, sample.loss_mask
@@ -402,6 +402,16 @@ async def verl_policy_loss_is_finite(batch: DataProto, model_path: Path) -> None
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
     assert any(g.abs().sum() > 0 for g in grads)
+
+
+def test_a_session_with_branches_gives_verl_its_final_branch_and_counts_the_others() -> None:
+    eos = 2
+    fields = output_fields(branched_session(eos))
+    assert (fields["prompt_ids"], fields["response_ids"]) == ([1, 11], [50, 51, eos])
+    assert fields["response_mask"] == [1, 1, 1]
+    assert fields["extra_fields"]["trajstore_branches"] == 2
+    divergence = fields["extra_fields"]["trajstore_divergence"]
+    assert divergence is not None  # where and why the history split, for the metrics
 
 
 def test_split_sample_cuts_at_the_first_generated_token() -> None:
