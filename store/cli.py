@@ -196,6 +196,15 @@ def migrate(
         if password:
             asyncio.run(roles.set_password(url, role, password))
             click.echo(f"set the password of {role}")
+    settings = _settings(ctx)
+    url_files = {
+        roles.RECORDER_ROLE: settings.recorder_database_url_file,
+        roles.PROJECTOR_ROLE: settings.projector_database_url_file,
+    }
+    for role, path in url_files.items():
+        if path is not None:
+            roles.write_url_file(url, role, path)
+            click.echo(f"wrote the URL of {role} to {path}")
 
 
 @main.command()

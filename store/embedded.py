@@ -468,12 +468,14 @@ def role_database_url(role: Role, settings: StoreSettings | None = None) -> str:
     """The URL a process of `role` connects with (`store.roles.url_for`): its own configured
     URL, the embedded server's socket as that role, or the one configured URL."""
     settings = settings or StoreSettings()
-    configured = (
-        settings.recorder_database_url
-        if role == roles.RECORDER_ROLE
-        else settings.projector_database_url
-    )
+    recorder = role == roles.RECORDER_ROLE
+    configured = settings.recorder_database_url if recorder else settings.projector_database_url
     if configured:
         return configured
+    url_file = (
+        settings.recorder_database_url_file if recorder else settings.projector_database_url_file
+    )
+    if url_file is not None:
+        return roles.read_url_file(url_file)
     owner = database_url(settings)
     return roles.url_for(role, owner, None, embedded=not settings.database_url)

@@ -12,21 +12,32 @@ triggers refuse UPDATE, DELETE and TRUNCATE of events to everyone: a process tha
 is taken over, can add to the log but never rewrite it.
 
 The process roles are LOGIN roles without a password. Which URL a process connects with
-(`url_for`): its own when configured (`TRAJSTORE_RECORDER_DATABASE_URL`,
-`TRAJSTORE_PROJECTOR_DATABASE_URL`); else, on the embedded server, whose Unix socket trusts local
-users, the owner's URL with the role as the user; else the one configured URL, as before (the
-operator then gives the roles passwords, for example with `trajstore migrate`, which sets them
-from `TRAJSTORE_RECORDER_DB_PASSWORD` and `TRAJSTORE_PROJECTOR_DB_PASSWORD`, and hands each
-process its URL). Roles belong to the whole cluster: created once if missing, never dropped by a
-downgrade, which only takes their grants away.
+(`store.embedded.role_database_url`):
+1. its own when configured (`TRAJSTORE_RECORDER_DATABASE_URL`, `TRAJSTORE_PROJECTOR_DATABASE_URL`);
+2. else the one in its URL file (`TRAJSTORE_RECORDER_DATABASE_URL_FILE`, `..._PROJECTOR_...`),
+   which `trajstore migrate` writes, as the owner, with a password it generates and sets (compose
+   hands each process a volume with its own file and no owner URL at all);
+3. else, on the embedded server, whose Unix socket trusts local users, the owner's URL with the
+   role as the user;
+4. else the one configured URL, as before, and the process logs that it runs as that user.
+`trajstore migrate` also sets passwords given as `TRAJSTORE_RECORDER_DB_PASSWORD` and
+`TRAJSTORE_PROJECTOR_DB_PASSWORD`, for operators who hand out URLs themselves.
+
+Roles belong to the whole cluster: created once if missing, never dropped by a downgrade, which
+only takes their grants away.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import secrets
+from pathlib import Path
 from typing import Literal
 
 from sqlalchemy.engine import make_url
+
+from store.errors import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +89,34 @@ async def set_password(owner_url: str, role: Role, password: str) -> None:
         await conn.execute(f"ALTER ROLE {role} PASSWORD {quoted}")
     finally:
         await conn.close()
+
+
+def write_url_file(owner_url: str, role: Role, path: Path) -> None:
+    """Give `role` a password and write its URL to `path` (0600): the owner's URL with the role
+    and that password. A file already there keeps its password (set again: idempotent).
+    Synchronous: for the command line."""
+    if path.exists():
+        password = make_url(read_url_file(path)).password or ""
+    else:
+        password = secrets.token_urlsafe(24)
+    asyncio.run(set_password(owner_url, role, password))
+    url = make_url(owner_url).set(username=role, password=password)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(url.render_as_string(hide_password=False) + "\n")
+    temporary.chmod(0o600)
+    temporary.replace(path)
+
+
+def read_url_file(path: Path) -> str:
+    """The URL in a role's URL file."""
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        raise StoreError(
+            f"cannot read the database URL file {path} ({exc}); `trajstore migrate` writes it "
+            "when given the same TRAJSTORE_*_DATABASE_URL_FILE setting"
+        ) from exc
 
 
 def as_role(url: str, role: Role) -> str:

@@ -40,6 +40,15 @@ class StoreSettings(BaseSettings):
         description="PostgreSQL URL the projector writes samples with, as a trajstore_projector "
         "login (default: the embedded server's socket as that role, else TRAJSTORE_DATABASE_URL).",
     )
+    recorder_database_url_file: Path | None = Field(
+        default=None,
+        description="A file holding the proxy's URL (read when TRAJSTORE_RECORDER_DATABASE_URL "
+        "is unset); `trajstore migrate` writes it, with a generated password, when it is set.",
+    )
+    projector_database_url_file: Path | None = Field(
+        default=None,
+        description="A file holding the projector's URL, as TRAJSTORE_RECORDER_DATABASE_URL_FILE.",
+    )
     data_dir: Path = Field(
         default_factory=default_data_dir,
         description="Directory of the embedded PostgreSQL (its data, socket and log).",

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from proxy.vllm_server import CPU_FLAGS
+from tests.conftest import world_readable_tempdir
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSWORD_MESSAGE = "set TRAJSTORE_DB_PASSWORD to a password for the stack's PostgreSQL"
@@ -71,12 +72,27 @@ def test_a_missing_password_fails_fast_with_what_to_set() -> None:
     assert PASSWORD_MESSAGE in done.stderr
 
 
-def test_the_password_reaches_postgres_and_every_trajstore_service() -> None:
+def test_only_the_migration_holds_the_owners_password() -> None:
     services = resolved()["services"]
     assert services["postgres"]["environment"]["POSTGRES_PASSWORD"] == "secret"
-    for name in ("migrate", "proxy", "projector"):
-        url = services[name]["environment"]["TRAJSTORE_DATABASE_URL"]
-        assert url == "postgresql://trajstore:secret@postgres:5432/trajstore"
+    migrate = services["migrate"]["environment"]
+    assert (
+        migrate["TRAJSTORE_DATABASE_URL"] == "postgresql://trajstore:secret@postgres:5432/trajstore"
+    )
+    # The proxy and the projector get their role's URL from a volume of their own, which the
+    # migration writes; the owner's URL (and password) reaches neither.
+    for name, role in (("proxy", "RECORDER"), ("projector", "PROJECTOR")):
+        environment = services[name]["environment"]
+        assert "TRAJSTORE_DATABASE_URL" not in environment
+        assert "secret" not in str(environment)
+        url_file = environment[f"TRAJSTORE_{role}_DATABASE_URL_FILE"]
+        assert migrate[f"TRAJSTORE_{role}_DATABASE_URL_FILE"] == url_file
+        [(source, target, mode)] = [v.split(":") for v in services[name]["volumes"]]
+        written = [v.split(":")[:2] for v in services["migrate"]["volumes"]]
+        assert mode == "ro" and [source, target] in written
+        assert url_file.startswith(target + "/")
+        other = "projector" if name == "proxy" else "proxy"
+        assert source not in str(services[other].get("volumes"))
 
 
 def test_proxy_and_projector_start_after_a_healthy_database_and_a_finished_migration() -> None:
@@ -138,7 +154,11 @@ def _projector_health_check() -> list[str]:
 async def test_the_projector_health_check_tells_a_running_projector_from_none(
     database_url: str,
 ) -> None:
-    env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url}
+    # As in compose: the projector and its check read the URL the migration wrote for them.
+    url_file = world_readable_tempdir("trajstore-compose-") / "url"
+    url_file.write_text(database_url + "\n")
+    env = {**os.environ, "TRAJSTORE_PROJECTOR_DATABASE_URL_FILE": str(url_file)}
+    env.pop("TRAJSTORE_DATABASE_URL", None)
     check = _projector_health_check()
 
     async def healthy() -> bool:

@@ -11,12 +11,15 @@ from typing import Any
 
 import asyncpg
 import pytest
+from sqlalchemy.engine import make_url
 
 from proxy.settings import ProxySettings
 from store import EventStore, EventType, NewEvent
 from store.connection import asyncpg_dsn
+from store.embedded import role_database_url
 from store.projection import Projector
 from store.roles import PROJECTOR_ROLE, RECORDER_ROLE, as_role
+from store.settings import StoreSettings
 from tests.conftest import free_port
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import serve_proxy
@@ -144,3 +147,36 @@ async def test_migrate_gives_the_roles_their_passwords(database_url: str) -> Non
     finally:
         await conn.close()
     assert verifier.startswith("SCRAM-SHA-256$") and "rec-secret" not in verifier
+
+
+async def test_migrate_writes_each_roles_url_file_as_compose_hands_them_out(
+    database_url: str, tmp_path: Any
+) -> None:
+    files = {RECORDER_ROLE: tmp_path / "recorder" / "url", PROJECTOR_ROLE: tmp_path / "p" / "url"}
+    env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url,
+           "TRAJSTORE_RECORDER_DATABASE_URL_FILE": str(files[RECORDER_ROLE]),
+           "TRAJSTORE_PROJECTOR_DATABASE_URL_FILE": str(files[PROJECTOR_ROLE])}  # fmt: skip
+
+    async def migrate() -> dict[str, str]:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "store", "migrate", env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await child.communicate()
+        assert child.returncode == 0, err.decode()
+        return {role: path.read_text().strip() for role, path in files.items()}
+
+    first = await migrate()
+    for role, url in first.items():
+        parsed = make_url(url)
+        assert parsed.username == role and parsed.password  # a generated password
+        assert files[role].stat().st_mode & 0o077 == 0  # readable by its process alone
+        conn = await connect(url)
+        try:
+            assert await conn.fetchval("SELECT current_user") == role
+        finally:
+            await conn.close()
+    assert await migrate() == first  # migrating again keeps the URLs the processes hold
+    # The proxy's side reads its file, and nothing of the owner's.
+    settings = StoreSettings(recorder_database_url_file=files[RECORDER_ROLE])
+    assert role_database_url(RECORDER_ROLE, settings) == first[RECORDER_ROLE]
