@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import asyncpg
 import orjson
 
-from store.errors import StoreUnavailable
+from store.errors import SchemaNotReady, StoreUnavailable
 
 T = TypeVar("T")
 
@@ -97,6 +97,13 @@ async def create_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> asy
         )
     except CONNECTION_ERRORS as exc:
         raise StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
+    except asyncpg.InvalidAuthorizationSpecificationError as exc:
+        if 'role "trajstore_' in str(exc):  # a process role (store.roles) not made yet
+            raise SchemaNotReady(
+                f"{exc}: run `trajstore migrate`, which creates the roles trajstore's processes "
+                "connect as"
+            ) from exc
+        raise
     assert pool is not None
     return pool
 

@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from proxy.settings import ProxySettings
-from store import EventStore, EventType, NewEvent
+from store import EventStore, EventType, NewEvent, SchemaNotReady
 from store.connection import asyncpg_dsn
 from store.embedded import role_database_url
 from store.projection import Projector
@@ -180,3 +180,9 @@ async def test_migrate_writes_each_roles_url_file_as_compose_hands_them_out(
     # The proxy's side reads its file, and nothing of the owner's.
     settings = StoreSettings(recorder_database_url_file=files[RECORDER_ROLE])
     assert role_database_url(RECORDER_ROLE, settings) == first[RECORDER_ROLE]
+
+
+async def test_a_role_that_does_not_exist_yet_says_to_migrate(database_url: str) -> None:
+    missing = make_url(database_url).set(username="trajstore_not_made_yet")
+    with pytest.raises(SchemaNotReady, match="trajstore migrate"):
+        await EventStore.open(missing.render_as_string(hide_password=False))
