@@ -21,6 +21,7 @@ import asyncio
 import json
 import random
 import re
+import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -294,7 +295,15 @@ async def print_summary(
         console.print("\ntraining: none (no local model, or no completed sample)")
         return
     columns = ("step", "loss", "reward_mean", "ratio_mean", "kl_k3", "missing_behaviour_fraction")
-    table = Table(title="training steps (trainer.recipe: GRPO, off-policy)", title_justify="left")
+    caption = (
+        "loss: the clipped policy loss; reward_mean: the batch's mean reward; ratio_mean: the "
+        "mean importance ratio, current ÷ behaviour probability; kl_k3: the k3 estimate of "
+        "KL(behaviour ‖ current); missing_behaviour_fraction: the share of generated tokens "
+        "with no behaviour logprob, left out of the loss (turns the engine decoded under a "
+        "constraint, such as a forced tool call: its logprobs are of the masked distribution)"
+    )
+    table = Table(title="training steps (trainer.recipe: GRPO, off-policy)", title_justify="left",
+                  caption=caption, caption_justify="left")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
     for metrics in training:
@@ -377,7 +386,8 @@ def demo(
         raise click.BadParameter("letters, digits and . _ : - only", param_hint="--run-id")
     if agents < 1 or turns < 1 or max_tokens < 1:
         raise click.UsageError("--agents, --turns and --max-tokens must be at least 1")
-    console = Console()
+    # Not on a terminal (CI, a log file), rich would cut every table at 80 columns.
+    console = Console(width=None if sys.stdout.isatty() else 160)
     settings = proxy_settings(list(engines), "127.0.0.1", 8400, True, None, "0")
     with backends(store_settings_of(ctx), list(engines)) as found:
         settings.engines = found.engines
