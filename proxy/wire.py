@@ -59,6 +59,8 @@ def parse_body(api: Api, raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    if not isinstance(body.get("stream", False), bool):
+        raise BadRequest("'stream' must be true or false", param="stream")
     if api in ("messages", "responses"):
         return body  # checked as it is translated (proxy.apis)
     if api == "chat":
@@ -80,8 +82,6 @@ def parse_body(api: Api, raw: bytes) -> dict[str, Any]:
     n = body.get("n", 1)
     if type(n) is not int or n < 1:
         raise BadRequest("'n' must be a positive integer", param="n")
-    if not isinstance(body.get("stream", False), bool):
-        raise BadRequest("'stream' must be true or false", param="stream")
     return body
 
 

@@ -94,7 +94,8 @@ def shuffled(entries: list[IndexEntry], *, seed: int, shuffle: bool) -> list[Ind
     return [entries[i] for i in permutation]
 
 
-def _check_rewards(entries: Sequence[IndexEntry]) -> None:
+def check_rewards(entries: Sequence[IndexEntry]) -> None:
+    """`BadSelection` unless every selected sample has a reward (an update needs one)."""
     unrewarded = [e for e in entries if e.reward is None]
     if unrewarded:
         raise BadSelection(
@@ -146,7 +147,7 @@ async def replay(
             version, entries = await read_index(conn, selection)
         if version is None:
             return
-        _check_rewards(entries)
+        check_rewards(entries)
         advantages = group_advantages(
             [float(e.reward) for e in entries if e.reward is not None],
             [e.group_id for e in entries],

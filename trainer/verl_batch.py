@@ -54,7 +54,7 @@ from store import EventStore
 from store.connection import unavailable_as_store_error
 from trainer.arrays import read_arrays
 from trainer.errors import BadSelection
-from trainer.replay import IndexEntry, open_store, read_index, shuffled
+from trainer.replay import IndexEntry, check_rewards, open_store, read_index, shuffled
 from trainer.selection import Selection
 
 #: The tensors of a batch, in the order they are laid out.
@@ -240,13 +240,7 @@ async def verl_batches(
             version, entries = await read_index(conn, selection)
         if version is None:
             return
-        unrewarded = [e for e in entries if e.reward is None]
-        if unrewarded:
-            raise BadSelection(
-                f"{len(unrewarded)} selected samples have no reward yet (e.g. session "
-                f"{unrewarded[0].session_id!r}); assign rewards first, or leave them out with "
-                "Selection(min_reward=...) / Selection(max_reward=...)"
-            )
+        check_rewards(entries)
         ordered = shuffled(entries, seed=seed, shuffle=shuffle)
         size = batch_size or len(ordered)
         meta = {"trajstore": {"projection_version": version, "selection": selection.as_json()}}

@@ -235,9 +235,7 @@ class Messages:
             chat["tools"] = chat_tools(body["tools"])
         if body.get("tool_choice") is not None:
             _tool_choice(body["tool_choice"], chat)
-        if not isinstance(body.get("stream", False), bool):
-            raise BadRequest("'stream' must be true or false", param="stream")
-        if body.get("stream"):
+        if body.get("stream"):  # checked with the body (`proxy.wire.parse_body`)
             chat["stream"] = True
         return chat
 

@@ -204,9 +204,7 @@ class Responses:
         response_format = _response_format(body.get("text"))
         if response_format is not None:
             chat["response_format"] = response_format
-        if not isinstance(body.get("stream", False), bool):
-            raise BadRequest("'stream' must be true or false", param="stream")
-        if body.get("stream"):
+        if body.get("stream"):  # checked with the body (`proxy.wire.parse_body`)
             chat["stream"] = True
         return chat
 

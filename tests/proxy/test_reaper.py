@@ -31,6 +31,18 @@ async def slow_engine() -> AsyncIterator[FakeEngine]:
         yield fake
 
 
+@pytest.fixture
+async def replica(slow_engine: FakeEngine, database_url: str) -> AsyncIterator[tuple[Any, str]]:
+    """A second replica (its process, its URL), killed after the test if it still runs."""
+    process, url = await start_replica(slow_engine, database_url)
+    try:
+        yield process, url
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
 async def start_replica(engine: FakeEngine, database_url: str) -> tuple[Any, str]:
     """`trajstore proxy` in a process of its own, which the test can kill."""
     port = free_port()
@@ -77,6 +89,16 @@ async def stream_then_kill(
     return received
 
 
+async def settled_turn(proxy: RunningProxy, session_id: str) -> dict[str, Any]:
+    """The session's one turn, once it is no longer in progress (10 s at most)."""
+    for _ in range(100):
+        [turn] = (await session_record(proxy, session_id))["turns"]
+        if turn["status"] != "in_progress":
+            break
+        await asyncio.sleep(0.1)
+    return turn
+
+
 async def session_record(proxy: RunningProxy, session_id: str) -> dict[str, Any]:
     response = await proxy.http.get(f"{proxy.url}/sessions/{session_id}")
     assert response.status_code == 200, response.text
@@ -85,62 +107,40 @@ async def session_record(proxy: RunningProxy, session_id: str) -> dict[str, Any]
 
 
 async def test_a_replica_killed_mid_stream_leaves_a_failed_turn_not_an_open_one(
-    start_proxy: ProxyFactory, slow_engine: FakeEngine, database_url: str
+    start_proxy: ProxyFactory, slow_engine: FakeEngine, replica: tuple[Any, str]
 ) -> None:
     a = await start_proxy([slow_engine.url], **REAPING)
-    b, b_url = await start_replica(slow_engine, database_url)
-    try:
-        session = await a.new_session()
-        sid = session["session_id"]
-        received = await stream_then_kill(b, b_url, session, after_tokens=24)
+    session = await a.new_session()
+    sid = session["session_id"]
+    received = await stream_then_kill(*replica, session, after_tokens=24)
 
-        turn = None
-        for _ in range(100):
-            [turn] = (await session_record(a, sid))["turns"]
-            if turn["status"] != "in_progress":
-                break
-            await asyncio.sleep(0.1)
-        assert turn is not None and turn["status"] == "failed"
-        assert turn["failure"]["reason"] == "replica_lost"
-        stored = len(turn["choices"][0]["token_ids"])
-        assert 0 < stored <= received + 1  # what reached the log, never more than was sent
-        assert turn["failure"]["partial_tokens"] == {"0": stored}
-        # The session goes on without the dead replica: the next turn and the finish work.
-        await a.agent(session).chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "again"}], max_tokens=4
-        )
-        finished = await a.http.post(f"{a.url}/sessions/{sid}/finish", json={"status": "completed"})
-        assert finished.status_code == 200
-    finally:
-        if b.returncode is None:
-            b.kill()
-            await b.wait()
+    turn = await settled_turn(a, sid)
+    assert turn["status"] == "failed"
+    assert turn["failure"]["reason"] == "replica_lost"
+    stored = len(turn["choices"][0]["token_ids"])
+    assert 0 < stored <= received + 1  # what reached the log, never more than was sent
+    assert turn["failure"]["partial_tokens"] == {"0": stored}
+    # The session goes on without the dead replica: the next turn and the finish work.
+    await a.agent(session).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "again"}], max_tokens=4
+    )
+    finished = await a.http.post(f"{a.url}/sessions/{sid}/finish", json={"status": "completed"})
+    assert finished.status_code == 200
 
 
 async def test_a_cut_turn_is_recorded_even_when_its_session_was_finished_at_once(
-    start_proxy: ProxyFactory, slow_engine: FakeEngine, database_url: str
+    start_proxy: ProxyFactory, slow_engine: FakeEngine, replica: tuple[Any, str]
 ) -> None:
     a = await start_proxy([slow_engine.url], **REAPING)
-    b, b_url = await start_replica(slow_engine, database_url)
-    try:
-        session = await a.new_session()
-        sid = session["session_id"]
-        await stream_then_kill(b, b_url, session, after_tokens=1)
-        # The orchestrator gives up at once, long before the replica counts as lost.
-        finished = await a.http.post(f"{a.url}/sessions/{sid}/finish", json={"status": "error"})
-        assert finished.status_code == 200
-        turn = None
-        for _ in range(100):
-            [turn] = (await session_record(a, sid))["turns"]
-            if turn["status"] != "in_progress":
-                break
-            await asyncio.sleep(0.1)
-        assert turn is not None and turn["status"] == "failed"
-        assert turn["failure"]["reason"] == "replica_lost"
-    finally:
-        if b.returncode is None:
-            b.kill()
-            await b.wait()
+    session = await a.new_session()
+    sid = session["session_id"]
+    await stream_then_kill(*replica, session, after_tokens=1)
+    # The orchestrator gives up at once, long before the replica counts as lost.
+    finished = await a.http.post(f"{a.url}/sessions/{sid}/finish", json={"status": "error"})
+    assert finished.status_code == 200
+    turn = await settled_turn(a, sid)
+    assert turn["status"] == "failed"
+    assert turn["failure"]["reason"] == "replica_lost"
 
 
 async def test_requests_of_live_replicas_are_left_alone_however_slow(
