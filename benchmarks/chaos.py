@@ -86,10 +86,10 @@ CASE_TIMEOUT = 10.0
 #: fake cannot read) with vLLM's 400 instead of working on it for minutes or failing with a 500:
 #: the fuzz looks for the proxy's 5xx, not the fake's.
 ENGINE_MAIN = """
-import asyncio, collections, json, sys
+import json, sys
 import orjson, uvloop
 sys.path.insert(0, sys.argv[1])
-from tests.proxy.fake_engine import FakeEngine, _error
+from tests.proxy.fake_engine import FakeEngine, _error, serve_forever
 
 BOUNDS = {"n": (1, 4), "top_logprobs": (0, 20), "logprobs": (0, 20)}
 SLOPPY = (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError)
@@ -127,15 +127,7 @@ class Engine(FakeEngine):
             return _error(400, f"invalid request: {type(exc).__name__}: {exc}")
 
 
-async def main():
-    engine = Engine(**json.loads(sys.argv[3]))
-    engine.requests = collections.deque(maxlen=1)
-    engine.requests_headers = collections.deque(maxlen=1)
-    engine.tokenized = collections.deque(maxlen=1)
-    await engine.start(port=int(sys.argv[2]))
-    await asyncio.Event().wait()
-
-uvloop.run(main())
+uvloop.run(serve_forever(Engine(**json.loads(sys.argv[3])), int(sys.argv[2])))
 """
 
 

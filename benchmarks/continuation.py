@@ -39,20 +39,13 @@ from proxy_overhead import ROOT, Server, Servers, cpu_seconds, start_vllm
 from store.embedded import database_url
 
 ENGINE_MAIN = """
-import asyncio, collections, sys
+import sys
 import uvloop
 sys.path.insert(0, sys.argv[1])
-from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fake_engine import FakeEngine, serve_forever
 
-async def main():
-    engine = FakeEngine(completion_tokens=16)  # ends its turns with eos, as a model does
-    engine.requests = collections.deque(maxlen=1)
-    engine.requests_headers = collections.deque(maxlen=1)
-    engine.tokenized = collections.deque(maxlen=1)
-    await engine.start(port=int(sys.argv[2]))
-    await asyncio.Event().wait()
-
-uvloop.run(main())
+# Ends its turns with eos, as a model does.
+uvloop.run(serve_forever(FakeEngine(completion_tokens=16), int(sys.argv[2])))
 """
 
 

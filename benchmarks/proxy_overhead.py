@@ -77,19 +77,12 @@ def history(tokens: int) -> list[dict[str, str]]:
 #: The engine in its own process. FakeEngine keeps every request it saw, for tests; a benchmark
 #: would grow it by a hundred thousand dicts, so it keeps only the last one here.
 ENGINE_MAIN = """
-import asyncio, collections, sys
+import sys
 import uvloop
 sys.path.insert(0, sys.argv[1])
-from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fake_engine import FakeEngine, serve_forever
 
-async def main():
-    engine = FakeEngine(instant=True)
-    engine.requests = collections.deque(maxlen=1)
-    engine.requests_headers = collections.deque(maxlen=1)
-    await engine.start(port=int(sys.argv[2]))
-    await asyncio.Event().wait()
-
-uvloop.run(main())
+uvloop.run(serve_forever(FakeEngine(instant=True), int(sys.argv[2])))
 """
 
 

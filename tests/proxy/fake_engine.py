@@ -24,6 +24,7 @@ turn k's prompt + completion ids: a reply cut by ``length`` is followed by the t
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import re
 import time
@@ -450,3 +451,13 @@ class FakeEngine:
             usage_chunk = {**head, "choices": [], "usage": usage}
             lines.append(_sse(usage_chunk | {"system_fingerprint": FINGERPRINT}))
         return [*lines, b"data: [DONE]\n\n"]
+
+
+async def serve_forever(engine: FakeEngine, port: int) -> None:
+    """Serve `engine` on `port` until the process ends (the benchmarks' engine process). It
+    keeps only the last request it saw: a benchmark's hundred thousand would fill memory."""
+    engine.requests = collections.deque(maxlen=1)  # type: ignore[assignment]
+    engine.requests_headers = collections.deque(maxlen=1)  # type: ignore[assignment]
+    engine.tokenized = collections.deque(maxlen=1)  # type: ignore[assignment]
+    await engine.start(port=port)
+    await asyncio.Event().wait()
