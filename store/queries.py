@@ -280,18 +280,26 @@ WITH active AS (
     UNION
     SELECT recent.session_id, false FROM unnest($1::text[]) AS recent (session_id)
     WHERE recent.session_id NOT IN (SELECT session_id FROM active)
+), streams AS (
+    SELECT
+        watched.active,
+        e.session_id,
+        e.stream_id,
+        max(e.run_id) AS run_id,
+        max(e.stream_version) AS version,
+        extract(epoch FROM now() - max(e.recorded_at))::float8 AS idle_s,
+        bool_or(e.event_type IN ('completion_finished', 'request_failed')) AS ended,
+        coalesce(sum(octet_length(e.token_ids) / 4)
+                 FILTER (WHERE e.event_type = 'completion_chunk'), 0)::bigint AS tokens
+    FROM watched JOIN events AS e ON e.session_id = watched.session_id
+    GROUP BY watched.active, e.session_id, e.stream_id
 )
-SELECT
-    watched.active,
-    e.session_id,
-    e.stream_id,
-    max(e.run_id) AS run_id,
-    max(e.stream_version) AS version,
-    extract(epoch FROM now() - max(e.recorded_at))::float8 AS idle_s,
-    bool_or(e.event_type IN ('completion_finished', 'request_failed')) AS ended,
-    max(e.payload ->> 'replica') FILTER (WHERE e.event_type = 'request_received') AS replica,
-    coalesce(sum(octet_length(e.token_ids) / 4)
-             FILTER (WHERE e.event_type = 'completion_chunk'), 0)::bigint AS tokens
-FROM watched JOIN events AS e ON e.session_id = watched.session_id
-GROUP BY watched.active, e.session_id, e.stream_id
+-- The replica, from the request_received payload (version 1 of a request's stream), of open
+-- requests only: a payload holds the agent's whole body, and CASE reads it only when needed.
+SELECT streams.*, CASE WHEN streams.ended THEN NULL ELSE (
+    SELECT received.payload ->> 'replica' FROM events AS received
+    WHERE received.stream_id = streams.stream_id AND received.stream_version = 1
+      AND received.event_type = 'request_received'
+) END AS replica
+FROM streams
 """
