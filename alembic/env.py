@@ -9,9 +9,9 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from alembic import context
-from store.connection import sqlalchemy_url
-from store.embedded import database_url
-from store.schema import metadata
+from trajstore.store.connection import sqlalchemy_url
+from trajstore.store.embedded import database_url
+from trajstore.store.schema import metadata
 
 config = context.config
 target_metadata = metadata

@@ -69,12 +69,12 @@ from projection import Shape, record
 from proxy_overhead import ENGINE_MAIN as INSTANT_ENGINE_MAIN
 from proxy_overhead import DbBackends, Server, Servers, Target, free_port, new_client, soak
 
-from proxy.engines import EnginePool
-from store import EventStore
-from store.connection import asyncpg_dsn
-from store.embedded import EmbeddedPostgres
-from store.projection import Projector
-from store.roles import PROJECTOR_ROLE, RECORDER_ROLE, as_role
+from trajstore.proxy.engines import EnginePool
+from trajstore.store import EventStore
+from trajstore.store.connection import asyncpg_dsn
+from trajstore.store.embedded import EmbeddedPostgres
+from trajstore.store.projection import Projector
+from trajstore.store.roles import PROJECTOR_ROLE, RECORDER_ROLE, as_role
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -236,7 +236,7 @@ def start_engine(servers: Servers, name: str, **options: object) -> Server:
 def start_proxy(
     servers: Servers, name: str, engines: list[Server], database_url: str, **settings: object
 ) -> Server:
-    argv = [PYTHON, "-m", "store", "proxy", "--port", "{port}"]
+    argv = [PYTHON, "-m", "trajstore", "proxy", "--port", "{port}"]
     for engine in engines:
         argv += ["--engine", engine.url]
     return servers.start(name, argv, env=trajstore_env(database_url, **settings))
@@ -800,7 +800,7 @@ async def projector_kill(chaos: Chaos, servers: Servers, result: Result) -> None
     await record(url, shape)  # benchmarks/projection.py's short sessions, finished, rewarded
     say(f"  recorded {m} finished sessions in {time.monotonic() - started:.1f} s")
     copy = await chaos.clone(url)
-    project = [PYTHON, "-m", "store", "project"]
+    project = [PYTHON, "-m", "trajstore", "project"]
 
     started = time.monotonic()
     once = servers.start("project-once", [*project, "--once"], env=trajstore_env(copy))

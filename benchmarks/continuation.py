@@ -36,7 +36,7 @@ import uvloop
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
 from proxy_overhead import ROOT, Server, Servers, cpu_seconds, start_vllm
 
-from store.embedded import database_url
+from trajstore.store.embedded import database_url
 
 ENGINE_MAIN = """
 import sys
@@ -143,7 +143,7 @@ async def main(args: argparse.Namespace) -> int:
         for mode in ("tokens", "text"):
             env = {**os.environ, "TRAJSTORE_DATABASE_URL": await dbs.fresh()}
             env["TRAJSTORE_CONTINUATION"] = mode
-            argv = [python, "-m", "store", "proxy", "--engine", engine.url, "--port", "{port}"]
+            argv = [python, "-m", "trajstore", "proxy", "--engine", engine.url, "--port", "{port}"]
             proxies[mode] = servers.start(f"trajstore-{mode}", argv, env=env)
         for proxy in proxies.values():
             await servers.wait_ready(proxy, http, "/health")

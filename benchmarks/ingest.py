@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import asyncpg
 import numpy as np
 
-from store import EventStore, EventType, NewEvent, RecordedEvent, migrations
-from store.connection import asyncpg_dsn, connect
-from store.embedded import database_url
-from store.queries import INSERT_COLUMNS
-from store.writer import copy_row
+from trajstore.store import EventStore, EventType, NewEvent, RecordedEvent, migrations
+from trajstore.store.connection import asyncpg_dsn, connect
+from trajstore.store.embedded import database_url
+from trajstore.store.queries import INSERT_COLUMNS
+from trajstore.store.writer import copy_row
 
 TOKENS_PER_CHUNK = 16
 CHUNKS_PER_REQUEST = 64

@@ -42,10 +42,10 @@ import asyncpg
 import numpy as np
 from ingest import Databases  # benchmarks/ingest.py, next to this file
 
-from store import EventStore, EventType, NewEvent, request_stream, session_stream
-from store.connection import connect
-from store.embedded import database_url
-from store.projection import Projector
+from trajstore.store import EventStore, EventType, NewEvent, request_stream, session_stream
+from trajstore.store.connection import connect
+from trajstore.store.embedded import database_url
+from trajstore.store.projection import Projector
 
 CHUNK = 16
 #: Sessions per raw read: what one projector batch (500 facts, 2 per session) reads.

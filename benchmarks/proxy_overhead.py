@@ -47,9 +47,9 @@ import orjson
 import uvloop
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
 
-from proxy.wire import engine_body
-from store.connection import asyncpg_dsn
-from store.embedded import database_url
+from trajstore.proxy.wire import engine_body
+from trajstore.store.connection import asyncpg_dsn
+from trajstore.store.embedded import database_url
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 64
@@ -629,8 +629,8 @@ def print_throughput(rows: dict[tuple[str, str, int], Row], levels: list[int]) -
 
 def start_vllm(servers: Servers) -> Server:
     """A real vLLM (CPU build) on the generated tiny model, owned by `servers`."""
-    from proxy.tiny_model import build_tiny_model
-    from proxy.vllm_server import VllmServer
+    from trajstore.tiny_model import build_tiny_model
+    from trajstore.vllm_server import VllmServer
 
     model = build_tiny_model(Path(servers.logs.name) / "model")
     log = Path(servers.logs.name) / "engine.log"
@@ -719,7 +719,7 @@ async def main(plan: Plan) -> int:
         env = {**os.environ, "TRAJSTORE_DATABASE_URL": scratch}
         ours = servers.start(
             "trajstore",
-            [python, "-m", "store", "proxy", "--engine", engine.url, "--port", "{port}"],
+            [python, "-m", "trajstore", "proxy", "--engine", engine.url, "--port", "{port}"],
             env=env,
         )
         await servers.wait_ready(floor, http, "/health")  # the engine's, through the floor

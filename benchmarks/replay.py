@@ -31,12 +31,12 @@ import asyncpg
 import numpy as np
 from ingest import Databases, line, timed  # benchmarks/ingest.py, next to this file
 
-from store import EventStore
-from store.connection import asyncpg_dsn
-from store.embedded import database_url
-from store.samples import PROJECTION_VERSION
-from trainer.replay import replay
-from trainer.selection import Selection
+from trajstore.store import EventStore
+from trajstore.store.connection import asyncpg_dsn
+from trajstore.store.embedded import database_url
+from trajstore.store.samples import PROJECTION_VERSION
+from trajstore.trainer.replay import replay
+from trajstore.trainer.selection import Selection
 
 RUN_ID = "bench"
 GROUP_SIZE = 8
@@ -111,7 +111,7 @@ async def replayed(store: EventStore, **layout: object) -> int:
 
 async def verl_batched(store: EventStore, batch_size: int) -> int:
     """Every verl batch of the run: real tokens batched (the attention mask's ones)."""
-    from trainer.verl_batch import verl_batches  # imports verl: only when measured
+    from trajstore.trainer.verl_batch import verl_batches  # imports verl: only when measured
 
     tokens = 0
     async for batch in verl_batches(store, Selection(runs=(RUN_ID,)), batch_size=batch_size,

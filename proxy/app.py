@@ -37,26 +37,26 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
-from proxy.auth import admin_key_is_valid, require_orchestrator_key, require_session_key
-from proxy.continuation import last_turn_in_log
-from proxy.engines import EnginePool
-from proxy.errors import (
+from trajstore.proxy.auth import admin_key_is_valid, require_orchestrator_key, require_session_key
+from trajstore.proxy.continuation import last_turn_in_log
+from trajstore.proxy.engines import EnginePool
+from trajstore.proxy.errors import (
     NotFound,
     Overloaded,
     ProxyError,
     Unauthorized,
     from_store_error,
 )
-from proxy.forwarding import Forwarder
-from proxy.metrics import ProxyMetrics
-from proxy.model_calls import BodyLimit, ModelCalls
-from proxy.reaper import Reaper
-from proxy.replicas import connection_name, new_replica_id
-from proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
-from proxy.settings import ProxySettings
-from store import EventStore, StoreError
-from store.collector import fewer_collections
-from store.sessions import rebuild_session
+from trajstore.proxy.forwarding import Forwarder
+from trajstore.proxy.metrics import ProxyMetrics
+from trajstore.proxy.model_calls import BodyLimit, ModelCalls
+from trajstore.proxy.reaper import Reaper
+from trajstore.proxy.replicas import connection_name, new_replica_id
+from trajstore.proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
+from trajstore.proxy.settings import ProxySettings
+from trajstore.store import EventStore, StoreError
+from trajstore.store.collector import fewer_collections
+from trajstore.store.sessions import rebuild_session
 
 log = logging.getLogger(__name__)
 

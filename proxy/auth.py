@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import hmac
 
-from proxy.errors import Unauthorized
-from proxy.sessions import SessionRegistry
+from trajstore.proxy.errors import Unauthorized
+from trajstore.proxy.sessions import SessionRegistry
 
 
 def bearer(authorization: str | None) -> str | None:

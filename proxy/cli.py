@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING
 
 import click
 
-from store.embedded import port_in_use, role_database_url
-from store.roles import RECORDER_ROLE
-from store.settings import StoreSettings
+from trajstore.store.embedded import port_in_use, role_database_url
+from trajstore.store.roles import RECORDER_ROLE
+from trajstore.store.settings import StoreSettings
 
 if TYPE_CHECKING:
-    from proxy.settings import ProxySettings
+    from trajstore.proxy.settings import ProxySettings
 
 
 def free_port_from(host: str, port: int, attempts: int = 50) -> int:
@@ -36,7 +36,7 @@ def proxy_settings(
     policy_version: str,
 ) -> ProxySettings:
     """The proxy's settings from its command-line options (and TRAJSTORE_* for the rest)."""
-    from proxy.settings import ProxySettings
+    from trajstore.proxy.settings import ProxySettings
 
     if port_in_use(host, port):
         if not next_free_port:
@@ -84,7 +84,7 @@ def proxy(
     """Run the recording proxy: an OpenAI-compatible gateway that records every token."""
     import uvicorn
 
-    from proxy.app import create_app
+    from trajstore.proxy.app import create_app
 
     urls = engine_urls(engines)
     if not urls:

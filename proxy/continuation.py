@@ -65,13 +65,13 @@ import aiohttp
 import numpy as np
 import orjson
 
-from proxy.apis import TRANSLATIONS
-from proxy.engines import Engine
-from proxy.errors import ProxyError
-from proxy.replicas import Replicas
-from store import EventStore, StoreError
-from store.sessions import TurnRecord, rebuild_session
-from store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
+from trajstore.proxy.apis import TRANSLATIONS
+from trajstore.proxy.engines import Engine
+from trajstore.proxy.errors import ProxyError
+from trajstore.proxy.replicas import Replicas
+from trajstore.store import EventStore, StoreError
+from trajstore.store.sessions import TurnRecord, rebuild_session
+from trajstore.store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
 
 log = logging.getLogger(__name__)
 

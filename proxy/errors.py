@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from store.errors import BadEvent, StoreError, StoreUnavailable, WriterBackpressure
+from trajstore.store.errors import BadEvent, StoreError, StoreUnavailable, WriterBackpressure
 
 
 class ProxyError(Exception):

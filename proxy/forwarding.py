@@ -20,17 +20,26 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from proxy.apis import TRANSLATIONS, Translation
-from proxy.apis.messages import chat_messages, chat_tools
-from proxy.continuation import RENDERED, Continuer, Plan, Turn
-from proxy.engines import Engine, EnginePool, NoHealthyEngine
-from proxy.errors import BadRequest, EngineFailed, Overloaded, ProxyError, from_bug
-from proxy.metrics import ProxyMetrics
-from proxy.recorder import PromptContexts, RequestRecorder, new_request_id
-from proxy.sessions import Session
-from proxy.settings import ProxySettings
-from proxy.wire import ENGINE_PATHS, Api, Asked, asked_for, engine_body, extract, parse_body, strip
-from store import BadEvent, EventWriter
+from trajstore.proxy.apis import TRANSLATIONS, Translation
+from trajstore.proxy.apis.messages import chat_messages, chat_tools
+from trajstore.proxy.continuation import RENDERED, Continuer, Plan, Turn
+from trajstore.proxy.engines import Engine, EnginePool, NoHealthyEngine
+from trajstore.proxy.errors import BadRequest, EngineFailed, Overloaded, ProxyError, from_bug
+from trajstore.proxy.metrics import ProxyMetrics
+from trajstore.proxy.recorder import PromptContexts, RequestRecorder, new_request_id
+from trajstore.proxy.sessions import Session
+from trajstore.proxy.settings import ProxySettings
+from trajstore.proxy.wire import (
+    ENGINE_PATHS,
+    Api,
+    Asked,
+    asked_for,
+    engine_body,
+    extract,
+    parse_body,
+    strip,
+)
+from trajstore.store import BadEvent, EventWriter
 
 log = logging.getLogger(__name__)
 

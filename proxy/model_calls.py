@@ -23,9 +23,9 @@ from typing import Any, Literal
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy.apis import TRANSLATIONS
-from proxy.auth import require_session_key
-from proxy.errors import (
+from trajstore.proxy.apis import TRANSLATIONS
+from trajstore.proxy.auth import require_session_key
+from trajstore.proxy.errors import (
     BadRequest,
     NotFound,
     PayloadTooLarge,
@@ -33,8 +33,8 @@ from proxy.errors import (
     from_bug,
     from_store_error,
 )
-from proxy.wire import Api
-from store import StoreError
+from trajstore.proxy.wire import Api
+from trajstore.store import StoreError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The recording proxy as a Ray actor: how a Ray-based trainer (verl-style) hosts it.
 
-    from proxy.ray_actor import start_proxy_actor, proxy_url
+    from trajstore.proxy.ray_actor import start_proxy_actor, proxy_url
 
     start_proxy_actor("trajstore-proxy", ProxySettings(engines=[...]), database_url)
     # in any rollout worker, task or actor of the same cluster (and namespace):
@@ -26,8 +26,8 @@ from typing import Any
 import ray
 import uvicorn
 
-from proxy.app import create_app
-from proxy.settings import ProxySettings
+from trajstore.proxy.app import create_app
+from trajstore.proxy.settings import ProxySettings
 
 #: How long `start` waits for the proxy to accept connections (it connects to the store first).
 START_TIMEOUT_S = 60.0

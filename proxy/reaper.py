@@ -32,9 +32,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.errors import ProxyError
-from proxy.sessions import Finish, SessionRegistry
-from store import ConcurrencyError, EventStore, EventType, NewEvent, StoreError, queries
+from trajstore.proxy.errors import ProxyError
+from trajstore.proxy.sessions import Finish, SessionRegistry
+from trajstore.store import ConcurrencyError, EventStore, EventType, NewEvent, StoreError, queries
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from proxy.continuation import RENDERED, Ending, Plan, Turn, render_key
-from proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
-from store import BadEvent, EventType, EventWriter, NewEvent, request_stream
-from store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
+from trajstore.proxy.continuation import RENDERED, Ending, Plan, Turn, render_key
+from trajstore.proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
+from trajstore.store import BadEvent, EventType, EventWriter, NewEvent, request_stream
+from trajstore.store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
 
 #: A prompt is stored as a reference to the session's last turn when it shares at least this
 #: many leading tokens with it (the prompt_tokens contract in `store.sessions`).

@@ -46,9 +46,14 @@ from typing import Any
 import asyncpg
 import orjson
 
-from proxy.errors import Overloaded
-from store import EventStore, EventWriter, StoreError, WriteFailed, queries
-from store.connection import RETRYABLE_ERRORS, close_quietly, connect, unavailable_as_store_error
+from trajstore.proxy.errors import Overloaded
+from trajstore.store import EventStore, EventWriter, StoreError, WriteFailed, queries
+from trajstore.store.connection import (
+    RETRYABLE_ERRORS,
+    close_quietly,
+    connect,
+    unavailable_as_store_error,
+)
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from proxy.errors import BadRequest, Conflict, NotFound
-from proxy.replicas import Replicas
-from store import (
+from trajstore.proxy.errors import BadRequest, Conflict, NotFound
+from trajstore.proxy.replicas import Replicas
+from trajstore.store import (
     ConcurrencyError,
     EventStore,
     EventType,
@@ -33,10 +33,10 @@ from store import (
     StoreUnavailable,
     session_stream,
 )
-from store.events import MAX_ID_LENGTH
-from store.schema import FACTS_CHANNEL
-from store.sessions import rebuild_session
-from store.subscription import wake_ups
+from trajstore.store.events import MAX_ID_LENGTH
+from trajstore.store.schema import FACTS_CHANNEL
+from trajstore.store.sessions import rebuild_session
+from trajstore.store.subscription import wake_ups
 
 FinishStatus = Literal["completed", "aborted", "error", "timeout"]
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 
-from proxy.errors import BadRequest
+from trajstore.proxy.errors import BadRequest
 
 #: The agent APIs: OpenAI chat and completions, and two served over the engine's chat
 #: completions by translation (`proxy.apis`): Anthropic Messages and OpenAI Responses.

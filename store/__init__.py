@@ -1,6 +1,6 @@
 """trajstore's event store: an append-only log of what agents and models did, in PostgreSQL.
 
-from store import EventStore, NewEvent, EventType
+from trajstore.store import EventStore, NewEvent, EventType
 
 async with await EventStore.open(url) as store:
     await store.append("session-1", [NewEvent(EventType.SESSION_CREATED, session_id="1")])
@@ -8,7 +8,7 @@ async with await EventStore.open(url) as store:
         ...
 """
 
-from store.errors import (
+from trajstore.store.errors import (
     BadEvent,
     BadQuery,
     ConcurrencyError,
@@ -24,7 +24,7 @@ from store.errors import (
     WriterClosed,
     WriterError,
 )
-from store.events import (
+from trajstore.store.events import (
     EventType,
     ExpectedVersion,
     NewEvent,
@@ -32,9 +32,9 @@ from store.events import (
     request_stream,
     session_stream,
 )
-from store.eventstore import EventStore
-from store.subscription import Subscription
-from store.writer import EventWriter
+from trajstore.store.eventstore import EventStore
+from trajstore.store.subscription import Subscription
+from trajstore.store.writer import EventWriter
 
 __all__ = [
     "BadEvent",

@@ -1,7 +1,8 @@
-"""The `trajstore` command line.
+"""The store's commands of the `trajstore` command line (`db`, `migrate`, `project`, `sql`, ...).
 
-The store's own commands live here (`db`, `migrate`); the proxy and the trainer add theirs when
-they are installed (see `_PLUGIN_COMMANDS`), so a store-only install needs neither torch nor vLLM.
+The command itself is `trajstore.cli.main`: this group, plus the proxy's, the trainer's and the
+local stack's commands, which it loads on first use (a store-only install has neither torch nor
+vLLM).
 """
 
 from __future__ import annotations
@@ -12,30 +13,24 @@ import logging
 import sys
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, NoReturn
+from typing import Any, NoReturn
 
 import click
 
-from store.embedded import EmbeddedPostgres, database_url, role_database_url
-from store.errors import StoreError
-from store.eventstore import EventStore
-from store.roles import PROJECTOR_ROLE, Role
-from store.settings import StoreSettings
-
-#: Commands provided by other packages: name -> "module:attribute", imported on first use.
-_PLUGIN_COMMANDS: dict[str, str] = {
-    "proxy": "proxy.cli:proxy",
-    "up": "proxy.stack:up",
-    "replay": "trainer.cli:replay",
-    "demo": "trainer.demo:demo",
-}
+from trajstore.store.embedded import EmbeddedPostgres, database_url, role_database_url
+from trajstore.store.errors import StoreError
+from trajstore.store.eventstore import EventStore
+from trajstore.store.roles import PROJECTOR_ROLE, Role
+from trajstore.store.settings import StoreSettings
 
 
 class LazyGroup(click.Group):
     """A click group whose commands named in `lazy` ("module:attribute") are imported on first
     use, so `--help` stays fast and an optional part that is missing says so."""
 
-    lazy: ClassVar[Mapping[str, str]] = {}
+    def __init__(self, *args: Any, lazy: Mapping[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self.lazy])
@@ -57,8 +52,6 @@ class LazyGroup(click.Group):
 class TrajstoreGroup(LazyGroup):
     """The `trajstore` group: commands of optional packages load lazily, and store errors
     become one clear line instead of a traceback."""
-
-    lazy = _PLUGIN_COMMANDS
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -186,7 +179,7 @@ def migrate(
     database URL's user; optionally give the processes' roles their passwords (`store.roles`)."""
     import asyncio
 
-    from store import migrations, roles
+    from trajstore.store import migrations, roles
 
     url = database_url(_settings(ctx))
     migrations.upgrade(url, revision)
@@ -219,7 +212,7 @@ def migrate(
 @click.pass_context
 def project(ctx: click.Context, once: bool, rebuild: bool, poll_interval: float) -> None:
     """Turn finished sessions into training samples (the `samples` table), live."""
-    from store.projection import Projector
+    from trajstore.store.projection import Projector
 
     async def run(store: EventStore) -> None:
         projector = Projector(store)
@@ -252,7 +245,7 @@ def sql(ctx: click.Context, query: str | None, max_width: int) -> None:
     url = database_url(_settings(ctx))
     if query is None:
         _exec_psql(url)
-    from store.sql import print_query
+    from trajstore.store.sql import print_query
 
     async def run(store: EventStore) -> None:
         await print_query(store, query, max_width=max_width)
@@ -285,7 +278,7 @@ def export(
     ctx: click.Context, runs: tuple[str, ...], statuses: tuple[str, ...], fmt: str, out: Path | None
 ) -> None:
     """Write samples to Parquet or JSON Lines, one record per sample."""
-    from store import export as exporting
+    from trajstore.store import export as exporting
 
     path = out or Path(f"samples.{fmt}")
 
@@ -339,7 +332,7 @@ def _exec_psql(url: str) -> NoReturn:
     import os
     import shutil
 
-    from store.embedded import find_binaries
+    from trajstore.store.embedded import find_binaries
 
     psql = shutil.which("psql")
     if psql is None:

@@ -6,7 +6,7 @@ alive and makes a dict for every JSON object it parses; the projector holds a ba
 events while it folds them. Both were walking the same live objects hundreds of times a second:
 the proxy's p99 and a fifth of the projector's time. The proxy collects rarely and freezes what
 it starts with (`fewer_collections`); the projector does not collect at all while a batch is
-alive (`collections_paused`). Measured figures in docs/architecture.md.
+alive (`collections_paused`). Measured figures in docs/performance.md.
 """
 
 from __future__ import annotations

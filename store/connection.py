@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import asyncpg
 import orjson
 
-from store.errors import SchemaNotReady, StoreUnavailable
+from trajstore.store.errors import SchemaNotReady, StoreUnavailable
 
 T = TypeVar("T")
 

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from store import roles
-from store.errors import EmbeddedServerError
-from store.roles import Role
-from store.settings import StoreSettings
+from trajstore.store import roles
+from trajstore.store.errors import EmbeddedServerError
+from trajstore.store.roles import Role
+from trajstore.store.settings import StoreSettings
 
 log = logging.getLogger(__name__)
 

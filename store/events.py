@@ -22,8 +22,8 @@ from typing import Any, overload
 import asyncpg
 import orjson
 
-from store.errors import BadEvent, PayloadTooLarge
-from store.tokens import (
+from trajstore.store.errors import BadEvent, PayloadTooLarge
+from trajstore.store.tokens import (
     Logprobs,
     LogprobsLike,
     TokenIds,
@@ -269,3 +269,11 @@ class RecordedEvent(asyncpg.Record):  # type: ignore[misc]  # asyncpg is untyped
             f"stream_id={self.stream_id!r}, stream_version={self.stream_version}, "
             f"session_id={self.session_id!r}, n_tokens={self.n_tokens})"
         )
+
+
+def check_stream_id(stream_id: str) -> None:
+    """Refuse stream ids the log cannot hold or that are surely mistakes."""
+    if not isinstance(stream_id, str) or not stream_id:
+        raise BadEvent(f"stream_id must be a non-empty string, got {stream_id!r}")
+    if len(stream_id) > MAX_ID_LENGTH or "\x00" in stream_id:
+        raise BadEvent(f"stream_id must be at most {MAX_ID_LENGTH} characters, without NUL")

@@ -11,29 +11,19 @@ import logging
 import uuid
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import asyncpg
 
-from store import queries
-from store.connection import create_pool, unavailable_as_store_error
-from store.errors import BadEvent, ConcurrencyError, DuplicateEventError, SchemaNotReady
-from store.events import MAX_ID_LENGTH, ExpectedVersion, NewEvent, RecordedEvent
-
-if TYPE_CHECKING:
-    from store.subscription import Subscription
-    from store.writer import EventWriter
+from trajstore.store import queries
+from trajstore.store.connection import create_pool, unavailable_as_store_error
+from trajstore.store.errors import BadEvent, ConcurrencyError, DuplicateEventError, SchemaNotReady
+from trajstore.store.events import ExpectedVersion, NewEvent, RecordedEvent, check_stream_id
+from trajstore.store.subscription import Subscription
+from trajstore.store.writer import EventWriter
 
 #: How often `append` retries after losing a race that may have been its own retry.
 _APPEND_ATTEMPTS = 3
-
-
-def check_stream_id(stream_id: str) -> None:
-    """Refuse stream ids the log cannot hold or that are surely mistakes."""
-    if not isinstance(stream_id, str) or not stream_id:
-        raise BadEvent(f"stream_id must be a non-empty string, got {stream_id!r}")
-    if len(stream_id) > MAX_ID_LENGTH or "\x00" in stream_id:
-        raise BadEvent(f"stream_id must be at most {MAX_ID_LENGTH} characters, without NUL")
 
 
 def insert_columns(
@@ -184,7 +174,7 @@ class EventStore:
         position returned is a safe checkpoint for the next call.
         """
         async with unavailable_as_store_error(), self.pool.acquire() as conn:
-            tx_id = await self.tx_id_of(conn, after)
+            tx_id = await queries.tx_id_of(conn, after)
             events: list[RecordedEvent] = await conn.fetch(
                 queries.READ_ALL, tx_id, after, limit, record_class=RecordedEvent
             )
@@ -208,16 +198,6 @@ class EventStore:
                 queries.read_types(types), after[0], after[1], limit, record_class=RecordedEvent
             )
         return events
-
-    @staticmethod
-    async def tx_id_of(conn: asyncpg.Connection, position: int) -> int:
-        """The writing transaction of the event at `position` (0 before the first event)."""
-        if position == 0:
-            return 0
-        tx_id = await conn.fetchval(queries.TX_ID_OF_POSITION, position)
-        if tx_id is None:
-            raise BadEvent(f"no event at position {position}; pass 0 or a position read before")
-        return int(tx_id)
 
     async def settle(self, timeout: float = 10.0) -> bool:
         """Wait until everything committed before this call is below the readers' horizon.
@@ -253,14 +233,10 @@ class EventStore:
 
         See `store.subscription.Subscription` for the options and guarantees.
         """
-        from store.subscription import Subscription
-
         return Subscription(self.url, after=after, **options)
 
     def writer(self, **options: Any) -> EventWriter:
         """A batched background writer on this store; see `store.writer.EventWriter`."""
-        from store.writer import EventWriter
-
         return EventWriter(self.url, **options)
 
 

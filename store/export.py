@@ -21,10 +21,10 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from store import queries
-from store.events import request_stream
-from store.eventstore import EventStore
-from store.sessions import whole_messages
+from trajstore.store import queries
+from trajstore.store.events import request_stream
+from trajstore.store.eventstore import EventStore
+from trajstore.store.sessions import whole_messages
 
 FORMATS = ("parquet", "jsonl")
 

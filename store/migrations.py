@@ -1,7 +1,7 @@
 """Schema migrations: Alembic, driven from Python (`trajstore migrate`) or its own CLI.
 
-The revisions live in the top-level `alembic/` folder of the repository; a wheel carries them
-inside this package as `store/_alembic`.
+The revisions live in the top-level `alembic/` folder of the repository; this package reaches
+them as `_alembic` (a link in the repository, a copy in a wheel).
 """
 
 from __future__ import annotations
@@ -14,17 +14,15 @@ from alembic.config import Config
 from sqlalchemy.exc import DBAPIError
 
 from alembic import command
-from store.errors import MigrationBlocked
+from trajstore.store.errors import MigrationBlocked
 
-_REPO_SCRIPTS = Path(__file__).resolve().parent.parent / "alembic"
-_PACKAGED_SCRIPTS = Path(__file__).resolve().parent / "_alembic"
+_SCRIPTS = Path(__file__).parent / "_alembic"
 
 
 def alembic_config(url: str) -> Config:
     """An Alembic configuration pointing at the store's revisions and at `url`."""
-    scripts = _REPO_SCRIPTS if (_REPO_SCRIPTS / "env.py").is_file() else _PACKAGED_SCRIPTS
     config = Config()
-    config.set_main_option("script_location", str(scripts))
+    config.set_main_option("script_location", str(_SCRIPTS))
     # Passed as an attribute, not an option: configparser would choke on '%' in passwords.
     config.attributes["database_url"] = url
     return config

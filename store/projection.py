@@ -26,16 +26,16 @@ from typing import Any
 
 import asyncpg
 
-from store import queries
-from store.collector import collections_paused
-from store.connection import unavailable_as_store_error
-from store.errors import StoreUnavailable
-from store.events import RecordedEvent
-from store.eventstore import EventStore
-from store.samples import Sample, build_samples
-from store.schema import FACTS_CHANNEL
-from store.sessions import rebuild_session
-from store.subscription import wake_ups
+from trajstore.store import queries
+from trajstore.store.collector import collections_paused
+from trajstore.store.connection import unavailable_as_store_error
+from trajstore.store.errors import StoreUnavailable
+from trajstore.store.events import RecordedEvent
+from trajstore.store.eventstore import EventStore
+from trajstore.store.samples import Sample, build_samples
+from trajstore.store.schema import FACTS_CHANNEL
+from trajstore.store.sessions import rebuild_session
+from trajstore.store.subscription import wake_ups
 
 log = logging.getLogger(__name__)
 

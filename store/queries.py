@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from store.events import SESSION_FACTS
+import asyncpg
+
+from trajstore.store.errors import BadEvent
+from trajstore.store.events import SESSION_FACTS
 
 
 def sql_literals(values: Iterable[str]) -> str:
@@ -303,3 +306,13 @@ SELECT streams.*, CASE WHEN streams.ended THEN NULL ELSE (
 ) END AS replica
 FROM streams
 """
+
+
+async def tx_id_of(conn: asyncpg.Connection, position: int) -> int:
+    """The writing transaction of the event at `position` (0 before the first event)."""
+    if position == 0:
+        return 0
+    tx_id = await conn.fetchval(TX_ID_OF_POSITION, position)
+    if tx_id is None:
+        raise BadEvent(f"no event at position {position}; pass 0 or a position read before")
+    return int(tx_id)

@@ -37,7 +37,7 @@ from typing import Literal
 
 from sqlalchemy.engine import make_url
 
-from store.errors import StoreError
+from trajstore.store.errors import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ DROP = [
 
 async def set_password(owner_url: str, role: Role, password: str) -> None:
     """Give `role` a password (as the owner), so that it can log in over TCP."""
-    from store.connection import connect
+    from trajstore.store.connection import connect
 
     conn = await connect(owner_url)
     try:

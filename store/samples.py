@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from store.sessions import ChoiceRecord, SessionRecord, TurnRecord
-from store.tokens import (
+from trajstore.store.sessions import ChoiceRecord, SessionRecord, TurnRecord
+from trajstore.store.tokens import (
     LOGPROB_DTYPE,
     TOKEN_DTYPE,
     decode_logprobs,

@@ -61,8 +61,8 @@ from typing import Any
 
 import numpy as np
 
-from store.events import EventType, RecordedEvent, request_stream
-from store.tokens import TokenIds, decode_logprobs, decode_token_ids
+from trajstore.store.events import EventType, RecordedEvent, request_stream
+from trajstore.store.tokens import TokenIds, decode_logprobs, decode_token_ids
 
 
 @dataclass

@@ -14,9 +14,9 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from store.connection import unavailable_as_store_error
-from store.errors import BadQuery
-from store.eventstore import EventStore
+from trajstore.store.connection import unavailable_as_store_error
+from trajstore.store.errors import BadQuery
+from trajstore.store.eventstore import EventStore
 
 #: Packed arrays of `samples`/`events` and what one element weighs.
 _PACKED = {"token_ids": 4, "logprobs": 4, "loss_mask": 1}

@@ -18,12 +18,11 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import asyncpg
 
-from store import queries
-from store.connection import RETRYABLE_ERRORS, close_quietly, connect
-from store.errors import StoreUnavailable
-from store.events import RecordedEvent
-from store.eventstore import EventStore
-from store.schema import NOTIFY_CHANNEL
+from trajstore.store import queries
+from trajstore.store.connection import RETRYABLE_ERRORS, close_quietly, connect
+from trajstore.store.errors import StoreUnavailable
+from trajstore.store.events import RecordedEvent
+from trajstore.store.schema import NOTIFY_CHANNEL
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ class Subscription:
         # LISTEN before the catch-up read: an append committed in between still wakes us.
         await self._conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
         if self._tx_id is None:
-            self._tx_id = await EventStore.tx_id_of(self._conn, self.position)
+            self._tx_id = await queries.tx_id_of(self._conn, self.position)
         self._wake.set()  # catch up straight away after every (re)connect
 
     async def _follow(self) -> AsyncIterator[RecordedEvent]:

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from store import queries
-from store.connection import unavailable_as_store_error
-from store.errors import SessionNotFound
-from store.events import EventType, RecordedEvent, request_stream
-from store.eventstore import EventStore
-from store.samples import Sample, build_samples
-from store.sessions import SessionRecord, TurnRecord, rebuild_session
+from trajstore.store import queries
+from trajstore.store.connection import unavailable_as_store_error
+from trajstore.store.errors import SessionNotFound
+from trajstore.store.events import EventType, RecordedEvent, request_stream
+from trajstore.store.eventstore import EventStore
+from trajstore.store.samples import Sample, build_samples
+from trajstore.store.sessions import SessionRecord, TurnRecord, rebuild_session
 
 LogPoint = tuple[int, int]  #: (tx_id, position): a place in the log's global order
 
@@ -39,7 +39,7 @@ LogPoint = tuple[int, int]  #: (tx_id, position): a place in the log's global or
 async def log_point(store: EventStore, position: int) -> LogPoint:
     """The place in the log's order of the event at `position` (`BadEvent` if there is none)."""
     async with unavailable_as_store_error(), store.pool.acquire() as conn:
-        return await store.tx_id_of(conn, position), position
+        return await queries.tx_id_of(conn, position), position
 
 
 def up_to(events: list[RecordedEvent], point: LogPoint | None) -> list[RecordedEvent]:

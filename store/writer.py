@@ -34,17 +34,16 @@ from typing import Any
 
 import asyncpg
 
-from store import queries
-from store.connection import RETRYABLE_ERRORS, close_quietly, connect
-from store.errors import (
+from trajstore.store import queries
+from trajstore.store.connection import RETRYABLE_ERRORS, close_quietly, connect
+from trajstore.store.errors import (
     BadEvent,
     StoreUnavailable,
     WriteFailed,
     WriterBackpressure,
     WriterClosed,
 )
-from store.events import NewEvent
-from store.eventstore import check_stream_id
+from trajstore.store.events import NewEvent, check_stream_id
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import pytest
 from pytest_postgresql.janitor import DatabaseJanitor
 from sqlalchemy.engine import make_url
 
-from store import EventStore, migrations
-from store.embedded import EmbeddedPostgres
+from trajstore.store import EventStore, migrations
+from trajstore.store.embedded import EmbeddedPostgres
 
 # The proxy's fixtures (fake engine, a served proxy) are used beyond tests/proxy (the README).
 pytest_plugins = ["tests.proxy.fixtures"]

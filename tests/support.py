@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from store import EventType, NewEvent
+from trajstore.store import EventType, NewEvent
 
 
 def chunk_event(

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import asyncpg
 
-from store import EventStore
-from store.connection import asyncpg_dsn
-from store.projection import Projector
 from tests.proxy.fixtures import RunningProxy
+from trajstore.store import EventStore
+from trajstore.store.connection import asyncpg_dsn
+from trajstore.store.projection import Projector
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 

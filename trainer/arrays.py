@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import asyncpg
 import numpy as np
 
-from store.tokens import decode_logprobs, decode_token_ids
-from trainer import queries
-from trainer.errors import SampleGone
+from trajstore.store.tokens import decode_logprobs, decode_token_ids
+from trajstore.trainer import queries
+from trajstore.trainer.errors import SampleGone
 
 #: A sample's token ids (int32), loss mask (uint8) and behaviour logprobs (float32).
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]

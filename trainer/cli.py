@@ -8,20 +8,18 @@ Subcommands are imported on first use, so `--help` stays fast and needs no torch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
-from typing import ClassVar
 
 import click
 
-from store.cli import LazyGroup
+from trajstore.store.cli import LazyGroup
 
 
-class _ReplayGroup(LazyGroup):
-    lazy: ClassVar[Mapping[str, str]] = {"session": "trainer.timeline:session"}
-
-
-@click.group(cls=_ReplayGroup, invoke_without_command=True)
+@click.group(
+    cls=LazyGroup,
+    lazy={"session": "trajstore.trainer.timeline:session"},
+    invoke_without_command=True,
+)
 @click.option("--training-run", help="The training run whose step to rebuild.")
 @click.option("--step", type=int, help="The step to rebuild.")
 @click.option(
@@ -38,6 +36,6 @@ def replay(
         return
     if training_run is None or step is None:
         raise click.UsageError("give --training-run and --step, or a subcommand (session ID)")
-    from trainer.ledger import replay_step_command
+    from trajstore.trainer.ledger import replay_step_command
 
     replay_step_command(ctx, training_run, step, out)

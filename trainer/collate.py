@@ -41,7 +41,7 @@ import numpy.typing as npt
 import torch
 from tensordict import TensorDict
 
-from trainer.errors import BadSelection
+from trajstore.trainer.errors import BadSelection
 
 
 class ReplaySample(NamedTuple):

@@ -32,19 +32,19 @@ from rich.console import Console
 from rich.table import Table
 from tensordict import TensorDict
 
-from store import ConcurrencyError, EventStore, EventType, NewEvent
-from store.connection import unavailable_as_store_error
-from trainer import queries
-from trainer.arrays import decode_arrays
-from trainer.collate import Layout, ReplaySample, collate
-from trainer.errors import (
+from trajstore.store import ConcurrencyError, EventStore, EventType, NewEvent
+from trajstore.store.connection import unavailable_as_store_error
+from trajstore.trainer import queries
+from trajstore.trainer.arrays import decode_arrays
+from trajstore.trainer.collate import Layout, ReplaySample, collate
+from trajstore.trainer.errors import (
     SampleChanged,
     SampleGone,
     StepAlreadyRecorded,
     StepNotFound,
     TrainerError,
 )
-from trainer.replay import open_store
+from trajstore.trainer.replay import open_store
 
 
 def training_stream(training_run: str) -> str:
@@ -171,7 +171,7 @@ def summary_table(recorded: Mapping[str, Any]) -> Table:
 
 def replay_step_command(ctx: click.Context, training_run: str, step: int, out: Path | None) -> None:
     """`trajstore replay --training-run T --step N [--out FILE]`: rebuild, summarise, save."""
-    from store.embedded import database_url
+    from trajstore.store.embedded import database_url
 
     settings = ctx.find_root().ensure_object(dict)["settings"]
 

@@ -31,8 +31,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from store.sessions import SessionRecord, TurnRecord
-from trainer.errors import MismatchCheckFailed
+from trajstore.store.sessions import SessionRecord, TurnRecord
+from trajstore.trainer.errors import MismatchCheckFailed
 
 
 @dataclass

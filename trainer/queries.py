@@ -6,7 +6,7 @@ parameters are numbered after the selection's.
 
 from __future__ import annotations
 
-from store.queries import SERVED_SAMPLES_VERSION
+from trajstore.store.queries import SERVED_SAMPLES_VERSION
 
 #: What a replay needs to order and batch samples, before reading their arrays.
 SELECT_INDEX = """

@@ -1,7 +1,7 @@
 """A selection of samples as a Ray Dataset, read in parallel and split across trainer workers.
 
     import ray
-    from trainer.ray_data import read_samples, split_for_workers
+    from trajstore.trainer.ray_data import read_samples, split_for_workers
 
     dataset = read_samples(database_url, Selection(runs=("run-7",)), seed=0)
     shards = split_for_workers(dataset, n_workers)   # one DataIterator per worker
@@ -35,11 +35,11 @@ from typing import Any
 import numpy as np
 import ray.data
 
-from store.connection import connect, unavailable_as_store_error
-from trainer import queries
-from trainer.arrays import Arrays, read_arrays
-from trainer.errors import BadSelection
-from trainer.selection import Selection
+from trajstore.store.connection import connect, unavailable_as_store_error
+from trajstore.trainer import queries
+from trajstore.trainer.arrays import Arrays, read_arrays
+from trajstore.trainer.errors import BadSelection
+from trajstore.trainer.selection import Selection
 
 #: Columns of the index the driver reads, carried into each row as they are.
 _INDEX_COLUMNS = ("session_id", "group_id", "reward", "policy_version_min", "n_tokens")

@@ -27,14 +27,14 @@ import asyncpg
 import numpy as np
 from tensordict import TensorDict
 
-from store import EventStore
-from store.connection import unavailable_as_store_error
-from trainer import queries
-from trainer.advantages import group_advantages
-from trainer.arrays import Arrays, decode_arrays, read_arrays
-from trainer.collate import Layout, ReplaySample, collate
-from trainer.errors import BadSelection
-from trainer.selection import Selection
+from trajstore.store import EventStore
+from trajstore.store.connection import unavailable_as_store_error
+from trajstore.trainer import queries
+from trajstore.trainer.advantages import group_advantages
+from trajstore.trainer.arrays import Arrays, decode_arrays, read_arrays
+from trajstore.trainer.collate import Layout, ReplaySample, collate
+from trajstore.trainer.errors import BadSelection
+from trajstore.trainer.selection import Selection
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
-from store.queries import SERVED_SAMPLES_VERSION
-from trainer.errors import BadSelection
+from trajstore.store.queries import SERVED_SAMPLES_VERSION
+from trajstore.trainer.errors import BadSelection
 
 #: Session statuses the projection writes: `completed`, `aborted`, `error`, `timeout`.
 DEFAULT_STATUSES = ("completed",)

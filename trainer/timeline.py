@@ -20,13 +20,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from store.embedded import database_url
-from store.eventstore import EventStore
-from store.sessions import SessionRecord, rebuild_session
-from store.settings import StoreSettings
-from store.timeline import Entry, session_events, timeline
-from trainer.errors import TrainerError
-from trainer.mismatch import TurnMismatch, check_session, overall
+from trajstore.store.embedded import database_url
+from trajstore.store.eventstore import EventStore
+from trajstore.store.sessions import SessionRecord, rebuild_session
+from trajstore.store.settings import StoreSettings
+from trajstore.store.timeline import Entry, session_events, timeline
+from trajstore.trainer.errors import TrainerError
+from trajstore.trainer.mismatch import TurnMismatch, check_session, overall
 
 #: Longest message or completion text shown in the terminal (the JSON keeps it whole).
 _TEXT_LIMIT = 240

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from store import EventStore, EventType, NewEvent, request_stream, session_stream
-from store.projection import Projector
-from trainer.loss import token_logprobs
+from trajstore.store import EventStore, EventType, NewEvent, request_stream, session_stream
+from trajstore.store.projection import Projector
+from trajstore.trainer.loss import token_logprobs
 
 SUBJECTS = (
     "apples", "stars", "birds", "chairs", "books", "trees", "ships", "coins", "lamps", "cats",
@@ -51,7 +51,7 @@ def reward(completion: Sequence[int], digits: set[int]) -> float:
 
 
 def load(model_dir: Path) -> tuple[Any, Any]:
-    """The model (float32, CPU) and tokenizer in `model_dir` (see `proxy.tiny_model`)."""
+    """The model (float32, CPU) and tokenizer in `model_dir` (see `trajstore.tiny_model`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

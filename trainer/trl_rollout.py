@@ -54,13 +54,13 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import httpx
 import numpy as np
 
-from store import EventStore
-from store.connection import unavailable_as_store_error
-from store.samples import Sample, build_samples, final_branch
-from store.sessions import rebuild_session
-from store.tokens import decode_logprobs, decode_token_ids
-from trainer.errors import TrainerError
-from trainer.selection import Selection
+from trajstore.store import EventStore
+from trajstore.store.connection import unavailable_as_store_error
+from trajstore.store.samples import Sample, build_samples, final_branch
+from trajstore.store.sessions import rebuild_session
+from trajstore.store.tokens import decode_logprobs, decode_token_ids
+from trajstore.trainer.errors import TrainerError
+from trajstore.trainer.selection import Selection
 
 if TYPE_CHECKING:
     from datasets import Dataset  # type: ignore[import-untyped,unused-ignore]

@@ -50,12 +50,12 @@ import torch
 from verl.protocol import DataProto
 from verl.utils.model import compute_position_id_with_mask
 
-from store import EventStore
-from store.connection import unavailable_as_store_error
-from trainer.arrays import read_arrays
-from trainer.errors import BadSelection
-from trainer.replay import IndexEntry, check_rewards, open_store, read_index, shuffled
-from trainer.selection import Selection
+from trajstore.store import EventStore
+from trajstore.store.connection import unavailable_as_store_error
+from trajstore.trainer.arrays import read_arrays
+from trajstore.trainer.errors import BadSelection
+from trajstore.trainer.replay import IndexEntry, check_rewards, open_store, read_index, shuffled
+from trajstore.trainer.selection import Selection
 
 #: The tensors of a batch, in the order they are laid out.
 TENSOR_FIELDS = (

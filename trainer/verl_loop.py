@@ -64,10 +64,10 @@ from verl.experimental.agent_loop.agent_loop import (
     register,
 )
 
-from store import EventStore
-from store.samples import build_samples, final_branch
-from store.sessions import SessionRecord, rebuild_session
-from trainer.verl_batch import split_sample
+from trajstore.store import EventStore
+from trajstore.store.samples import build_samples, final_branch
+from trajstore.store.sessions import SessionRecord, rebuild_session
+from trajstore.trainer.verl_batch import split_sample
 
 log = logging.getLogger(__name__)
 

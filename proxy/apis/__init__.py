@@ -14,9 +14,9 @@ state; translating keeps one recording path, one continuation rule and one set o
 for every API (its cost: `benchmarks/proxy_overhead.py --apis`).
 """
 
-from proxy.apis.base import StreamTranslation, Translation
-from proxy.apis.messages import Messages
-from proxy.apis.responses import Responses
+from trajstore.proxy.apis.base import StreamTranslation, Translation
+from trajstore.proxy.apis.messages import Messages
+from trajstore.proxy.apis.responses import Responses
 
 #: The translated APIs, by the name recorded in `request_received.api`.
 TRANSLATIONS: dict[str, Translation] = {"messages": Messages(), "responses": Responses()}

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from proxy.errors import BadRequest, ProxyError
+from trajstore.proxy.errors import BadRequest, ProxyError
 
 
 class StreamTranslation(Protocol):

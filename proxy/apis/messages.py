@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from proxy.apis.base import (
+from trajstore.proxy.apis.base import (
     AssistantTurn,
     parsed_arguments,
     refuse_media,
@@ -32,7 +32,7 @@ from proxy.apis.base import (
     sse_event,
     text_content,
 )
-from proxy.errors import BadRequest, ProxyError
+from trajstore.proxy.errors import BadRequest, ProxyError
 
 #: Anthropic's own fields, translated (or ignored, for `metadata` and the like); anything else
 #: (vLLM's sampling extras such as `seed` or `min_p`) passes on to the engine untouched.

@@ -28,8 +28,8 @@ from typing import Any
 
 import orjson
 
-from proxy.apis.base import AssistantTurn, refuse_media, sse_event, text_content
-from proxy.errors import BadRequest, ProxyError
+from trajstore.proxy.apis.base import AssistantTurn, refuse_media, sse_event, text_content
+from trajstore.proxy.errors import BadRequest, ProxyError
 
 #: The Responses API's own fields, translated or ignored (`store`: the proxy records every
 #: request anyway; `metadata`, `user` and the like are not the engine's business). Anything else

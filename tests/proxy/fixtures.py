@@ -16,13 +16,13 @@ import pytest
 import uvicorn
 from openai import AsyncOpenAI
 
-from proxy.app import create_app
-from proxy.settings import ProxySettings
-from proxy.tiny_model import build_tiny_model
-from proxy.vllm_server import VllmServer
-from store import EventStore
 from tests.conftest import free_port
 from tests.proxy.fake_engine import FakeEngine
+from trajstore.proxy.app import create_app
+from trajstore.proxy.settings import ProxySettings
+from trajstore.store import EventStore
+from trajstore.tiny_model import build_tiny_model
+from trajstore.vllm_server import VllmServer
 
 
 @dataclass

@@ -14,11 +14,11 @@ import httpx
 import openai
 import pytest
 
-from store import EventStore
-from store.samples import build_samples
-from store.sessions import rebuild_session
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
+from trajstore.store import EventStore
+from trajstore.store.samples import build_samples
+from trajstore.store.sessions import rebuild_session
 
 ADD = {
     "type": "object",

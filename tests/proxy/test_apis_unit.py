@@ -13,11 +13,11 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from proxy.apis import TRANSLATIONS
-from proxy.apis.messages import Messages
-from proxy.apis.responses import Responses
-from proxy.continuation import same_reply
-from proxy.errors import BadRequest, EngineFailed, Overloaded
+from trajstore.proxy.apis import TRANSLATIONS
+from trajstore.proxy.apis.messages import Messages
+from trajstore.proxy.apis.responses import Responses
+from trajstore.proxy.continuation import same_reply
+from trajstore.proxy.errors import BadRequest, EngineFailed, Overloaded
 
 MODEL = "Qwen/Qwen3-0.6B"
 REQUEST_ID = "0192f0c5a3b87c1e"

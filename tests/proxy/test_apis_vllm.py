@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
-from store import EventStore
-from store.samples import build_samples
-from store.sessions import rebuild_session
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
+from trajstore.store import EventStore
+from trajstore.store.samples import build_samples
+from trajstore.store.sessions import rebuild_session
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -19,7 +19,7 @@ from tests.proxy.fake_engine import FakeEngine
 async def start_cli(*args: str, database_url: str) -> asyncio.subprocess.Process:
     env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url}
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "store", "proxy", *args,
+        sys.executable, "-m", "trajstore", "proxy", *args,
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
 

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from proxy.settings import ProxySettings
-from store import EventStore
-from store.samples import build_samples
-from store.sessions import rebuild_session
 from tests.conftest import free_port
 from tests.proxy.fake_engine import EOS, NEWLINE, FakeEngine, chat_prompt_ids
 from tests.proxy.fixtures import ProxyFactory, RunningProxy, serve_proxy
+from trajstore.proxy.settings import ProxySettings
+from trajstore.store import EventStore
+from trajstore.store.samples import build_samples
+from trajstore.store.sessions import rebuild_session
 
 # The fake engine stops with eos after 4 tokens when max_tokens allows more.
 ASK: dict[str, Any] = {"model": "tiny", "max_tokens": 16, "extra_body": {"return_token_ids": True}}

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from proxy.continuation import RENDERED, Plan, same_reply
+from trajstore.proxy.continuation import RENDERED, Plan, same_reply
 
 GIVEN: dict[str, Any] = {
     "role": "assistant",

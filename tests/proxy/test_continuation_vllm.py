@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from store import EventStore
-from store.samples import Sample, build_samples
-from store.sessions import rebuild_session
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
+from trajstore.store import EventStore
+from trajstore.store.samples import Sample, build_samples
+from trajstore.store.sessions import rebuild_session
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.engines import Engine, EnginePool, NoHealthyEngine
 from tests.support import eventually
+from trajstore.proxy.engines import Engine, EnginePool, NoHealthyEngine
 
 KEYS = [f"session-{i}" for i in range(1000)]
 URLS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
@@ -305,14 +305,14 @@ async def test_health_changes_are_logged_once(
     pool = await started_pool(servers, session)
     engine = pool.engines[0]
     try:
-        caplog.set_level(logging.INFO, logger="proxy.engines")
+        caplog.set_level(logging.INFO, logger="trajstore.proxy.engines")
         servers[0].status = 503
         for _ in range(3):
             await pool.check(engine)
         servers[0].status = 200
         for _ in range(3):
             await pool.check(engine)
-        messages = [r.getMessage() for r in caplog.records if r.name == "proxy.engines"]
+        messages = [r.getMessage() for r in caplog.records if r.name == "trajstore.proxy.engines"]
         assert len(messages) == 2, messages
         assert "unhealthy" in messages[0] and "healthy again" in messages[1]
     finally:

@@ -9,12 +9,12 @@ import httpx
 import openai
 import pytest
 
-from store import EventType
-from store.connection import connect
 from tests.conftest import free_port
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
 from tests.support import eventually
+from trajstore.store import EventType
+from trajstore.store.connection import connect
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 

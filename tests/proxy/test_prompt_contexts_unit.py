@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import orjson
 
-from proxy.continuation import Turn
-from proxy.recorder import PromptContexts, RequestRecorder
-from proxy.wire import Asked
+from trajstore.proxy.continuation import Turn
+from trajstore.proxy.recorder import PromptContexts, RequestRecorder
+from trajstore.proxy.wire import Asked
 
 BODY = {"model": "m", "max_tokens": 8, "temperature": 0.5}
 ASKED = Asked(token_ids=False, logprobs=False, usage=False)

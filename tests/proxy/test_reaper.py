@@ -49,7 +49,7 @@ async def start_replica(engine: FakeEngine, database_url: str) -> tuple[Any, str
     env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url,
            "TRAJSTORE_SESSION_SECRET": SECRET, "TRAJSTORE_WRITER_LINGER": "0.01"}  # fmt: skip
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "store", "proxy", "--engine", engine.url, "--port", str(port),
+        sys.executable, "-m", "trajstore", "proxy", "--engine", engine.url, "--port", str(port),
         env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -165,16 +165,14 @@ async def test_a_session_nobody_finishes_is_finished_as_timeout(
     await proxy.agent(idle).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
     )
-    # `busy` keeps calling the model meanwhile: activity keeps a session open.
-    for _ in range(8):
-        await proxy.agent(busy).chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
-        )
+    # `busy` keeps calling the model meanwhile (0.2 s a call): activity keeps a session open.
     record = await session_record(proxy, idle["session_id"])
     for _ in range(50):
         if record["status"] != "active":
             break
-        await asyncio.sleep(0.1)
+        await proxy.agent(busy).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
         record = await session_record(proxy, idle["session_id"])
     assert record["status"] == "timeout"
     assert "no activity" in record["finish_reason"]

@@ -14,10 +14,10 @@ import httpx
 import orjson
 import pytest
 
-from store import EventType
-from store.connection import connect
 from tests.proxy.fake_engine import FakeEngine, chat_prompt_ids
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
+from trajstore.store import EventType
+from trajstore.store.connection import connect
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "add 2 and 3"}], "max_tokens": 8}
 

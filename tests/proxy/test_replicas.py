@@ -10,14 +10,14 @@ from typing import Any
 import numpy as np
 from openai import AsyncOpenAI
 
-from proxy.replicas import connection_name
-from proxy.settings import ProxySettings
-from store import EventStore, EventType
-from store.connection import connect
-from store.projection import Projector
 from tests.conftest import free_port
 from tests.proxy.fake_engine import FakeEngine, chat_prompt_ids
 from tests.proxy.fixtures import ProxyFactory, RunningProxy, serve_proxy
+from trajstore.proxy.replicas import connection_name
+from trajstore.proxy.settings import ProxySettings
+from trajstore.store import EventStore, EventType
+from trajstore.store.connection import connect
+from trajstore.store.projection import Projector
 
 EventsOf = Callable[[str], Awaitable[list[Any]]]
 

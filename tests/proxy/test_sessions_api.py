@@ -8,11 +8,11 @@ from typing import Any
 import openai
 import pytest
 
-from proxy.replicas import new_replica_id
-from proxy.sessions import CreateSession, Finish, SessionRegistry
-from store import EventStore, EventType
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
+from trajstore.proxy.replicas import new_replica_id
+from trajstore.proxy.sessions import CreateSession, Finish, SessionRegistry
+from trajstore.store import EventStore, EventType
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

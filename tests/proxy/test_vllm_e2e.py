@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
-from store import EventStore
-from store.projection import Projector
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
+from trajstore.store import EventStore
+from trajstore.store.projection import Projector
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -9,7 +9,8 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pytest
 
-from store import (
+from tests.support import chunk_event
+from trajstore.store import (
     BadEvent,
     ConcurrencyError,
     DuplicateEventError,
@@ -21,7 +22,6 @@ from store import (
     request_stream,
     session_stream,
 )
-from tests.support import chunk_event
 
 
 async def test_every_field_round_trips_bit_exact(store: EventStore) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from store.collector import YOUNG_COLLECTION_EVERY, collections_paused, fewer_collections
+from trajstore.store.collector import YOUNG_COLLECTION_EVERY, collections_paused, fewer_collections
 
 
 def test_young_collections_are_rarer_inside_and_restored_after_the_last_exit() -> None:

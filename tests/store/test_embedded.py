@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from store import EventStore, EventType, NewEvent, migrations
-from store.embedded import EmbeddedPostgres, pgserver_binaries
 from tests.conftest import free_port, world_readable_tempdir
 from tests.support import chunk_event
+from trajstore.store import EventStore, EventType, NewEvent, migrations
+from trajstore.store.embedded import EmbeddedPostgres, pgserver_binaries
 
 pytestmark = [pytest.mark.embedded, pytest.mark.slow]
 
-TRAJSTORE = [sys.executable, "-m", "store"]
+TRAJSTORE = [sys.executable, "-m", "trajstore"]
 
 
 class Cli:

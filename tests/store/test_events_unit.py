@@ -8,9 +8,14 @@ import uuid
 import numpy as np
 import pytest
 
-from store import BadEvent, EventType, NewEvent, PayloadTooLarge
-from store.events import MAX_PAYLOAD_BYTES
-from store.tokens import decode_logprobs, decode_token_ids, encode_logprobs, encode_token_ids
+from trajstore.store import BadEvent, EventType, NewEvent, PayloadTooLarge
+from trajstore.store.events import MAX_PAYLOAD_BYTES
+from trajstore.store.tokens import (
+    decode_logprobs,
+    decode_token_ids,
+    encode_logprobs,
+    encode_token_ids,
+)
 
 
 def test_token_ids_round_trip_bit_exact_up_to_int32_max() -> None:

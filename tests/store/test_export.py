@@ -14,15 +14,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from store import EventStore
-from store.projection import Projector
 from tests.store.views_data import record_all
+from trajstore.store import EventStore
+from trajstore.store.projection import Projector
 
 
 def trajstore(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url}
     return subprocess.run(
-        [sys.executable, "-m", "store", *args], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "trajstore", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 

@@ -7,11 +7,11 @@ from collections import defaultdict
 
 import asyncpg
 
-from store import EventStore, EventType, NewEvent
-from store.connection import asyncpg_dsn, connect
-from store.eventstore import insert_columns
-from store.queries import APPEND
 from tests.support import chunk_event
+from trajstore.store import EventStore, EventType, NewEvent
+from trajstore.store.connection import asyncpg_dsn, connect
+from trajstore.store.eventstore import insert_columns
+from trajstore.store.queries import APPEND
 
 
 async def read_everything(store: EventStore) -> list:  # type: ignore[type-arg]

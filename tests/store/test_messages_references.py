@@ -9,10 +9,17 @@ from typing import Any
 
 import orjson
 
-from store import EventStore, EventType, NewEvent, migrations, request_stream, session_stream
-from store.export import export
-from store.projection import Projector
-from store.sessions import rebuild_session
+from trajstore.store import (
+    EventStore,
+    EventType,
+    NewEvent,
+    migrations,
+    request_stream,
+    session_stream,
+)
+from trajstore.store.export import export
+from trajstore.store.projection import Projector
+from trajstore.store.sessions import rebuild_session
 
 SYSTEM = {"role": "system", "content": "You fix bugs."}
 

@@ -12,9 +12,16 @@ import asyncpg
 import numpy as np
 import pytest
 
-from store import EventStore, EventType, NewEvent, StoreUnavailable, request_stream, session_stream
-from store.projection import Projector
-from store.sessions import rebuild_session
+from trajstore.store import (
+    EventStore,
+    EventType,
+    NewEvent,
+    StoreUnavailable,
+    request_stream,
+    session_stream,
+)
+from trajstore.store.projection import Projector
+from trajstore.store.sessions import rebuild_session
 
 
 async def record_session(
@@ -220,7 +227,7 @@ async def test_live_projection_follows_new_sessions(store: EventStore) -> None:
 def test_the_cli_projects_once(database_url: str) -> None:
     env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url}
     done = subprocess.run(
-        [sys.executable, "-m", "store", "project", "--once"],
+        [sys.executable, "-m", "trajstore", "project", "--once"],
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

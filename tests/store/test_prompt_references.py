@@ -9,9 +9,16 @@ from typing import Any
 import numpy as np
 import orjson
 
-from store import EventStore, EventType, NewEvent, migrations, request_stream, session_stream
-from store.projection import Projector
-from store.sessions import rebuild_session
+from trajstore.store import (
+    EventStore,
+    EventType,
+    NewEvent,
+    migrations,
+    request_stream,
+    session_stream,
+)
+from trajstore.store.projection import Projector
+from trajstore.store.sessions import rebuild_session
 
 Turn = tuple[list[int], dict[str, Any], list[int]]  # stored prompt ids, prompt payload, completion
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from store import EventStore, EventType, NewEvent, migrations, request_stream, session_stream
+from trajstore.store import (
+    EventStore,
+    EventType,
+    NewEvent,
+    migrations,
+    request_stream,
+    session_stream,
+)
 
 PROMPTS: list[dict[str, Any]] = [
     {"prompt_source": "rendered"},

@@ -13,16 +13,16 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
-from proxy.settings import ProxySettings
-from store import EventStore, EventType, NewEvent, SchemaNotReady
-from store.connection import asyncpg_dsn
-from store.embedded import role_database_url
-from store.projection import Projector
-from store.roles import PROJECTOR_ROLE, RECORDER_ROLE, as_role
-from store.settings import StoreSettings
 from tests.conftest import free_port
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import serve_proxy
+from trajstore.proxy.settings import ProxySettings
+from trajstore.store import EventStore, EventType, NewEvent, SchemaNotReady
+from trajstore.store.connection import asyncpg_dsn
+from trajstore.store.embedded import role_database_url
+from trajstore.store.projection import Projector
+from trajstore.store.roles import PROJECTOR_ROLE, RECORDER_ROLE, as_role
+from trajstore.store.settings import StoreSettings
 
 #: PostgreSQL's "permission denied" / "must be owner" (SQLSTATE 42501), before any trigger runs.
 REFUSED = asyncpg.InsufficientPrivilegeError
@@ -133,7 +133,7 @@ async def test_migrate_gives_the_roles_their_passwords(database_url: str) -> Non
     env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url,
            "TRAJSTORE_RECORDER_DB_PASSWORD": "rec-secret"}  # fmt: skip
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "store", "migrate", env=env,
+        sys.executable, "-m", "trajstore", "migrate", env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, err = await child.communicate()
@@ -159,7 +159,7 @@ async def test_migrate_writes_each_roles_url_file_as_compose_hands_them_out(
 
     async def migrate() -> dict[str, str]:
         child = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "store", "migrate", env=env,
+            sys.executable, "-m", "trajstore", "migrate", env=env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         _, err = await child.communicate()

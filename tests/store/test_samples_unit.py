@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from store.samples import build_samples, sample_id
-from store.sessions import ChoiceRecord, SessionRecord, TurnRecord
+from trajstore.store.samples import build_samples, sample_id
+from trajstore.store.sessions import ChoiceRecord, SessionRecord, TurnRecord
 
 EOS = 2
 

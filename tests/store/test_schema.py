@@ -12,10 +12,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from store import EventStore, EventType, NewEvent, SchemaNotReady, migrations
-from store.connection import asyncpg_dsn, sqlalchemy_url
-from store.errors import MigrationBlocked
-from store.schema import metadata
+from trajstore.store import EventStore, EventType, NewEvent, SchemaNotReady, migrations
+from trajstore.store.connection import asyncpg_dsn, sqlalchemy_url
+from trajstore.store.errors import MigrationBlocked
+from trajstore.store.schema import metadata
 
 # What the catalog says about everything trajstore owns, in a form two databases can compare.
 CATALOG_QUERIES = {

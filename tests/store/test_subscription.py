@@ -7,11 +7,11 @@ import contextlib
 
 import pytest
 
-from store import EventStore, EventType, NewEvent, RecordedEvent, StoreUnavailable
-from store.events import session_stream
-from store.schema import FACTS_CHANNEL
-from store.subscription import APPLICATION_NAME, wake_ups
 from tests.support import chunk_event, eventually
+from trajstore.store import EventStore, EventType, NewEvent, RecordedEvent, StoreUnavailable
+from trajstore.store.events import session_stream
+from trajstore.store.schema import FACTS_CHANNEL
+from trajstore.store.subscription import APPLICATION_NAME, wake_ups
 
 TERMINATE = """
 SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity

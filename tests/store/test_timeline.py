@@ -9,7 +9,7 @@ import asyncpg
 import numpy as np
 import pytest
 
-from store import (
+from trajstore.store import (
     BadEvent,
     EventStore,
     EventType,
@@ -18,8 +18,8 @@ from store import (
     request_stream,
     session_stream,
 )
-from store.projection import Projector
-from store.timeline import (
+from trajstore.store.projection import Projector
+from trajstore.store.timeline import (
     samples_as_of,
     session_as_of,
     session_events,

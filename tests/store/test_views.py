@@ -17,10 +17,10 @@ from typing import Any
 import asyncpg
 import pytest
 
-from store import EventStore
-from store.connection import asyncpg_dsn
-from store.projection import Projector
 from tests.store.views_data import record_all
+from trajstore.store import EventStore
+from trajstore.store.connection import asyncpg_dsn
+from trajstore.store.projection import Projector
 
 README = (Path(__file__).parents[2] / "README.md").read_text()
 
@@ -152,7 +152,7 @@ def trajstore(
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url, "COLUMNS": "200"}
     return subprocess.run(
-        [sys.executable, "-m", "store", *args],
+        [sys.executable, "-m", "trajstore", *args],
         input=stdin, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 

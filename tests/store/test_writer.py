@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from store import (
+from tests.support import chunk_event
+from trajstore.store import (
     EventStore,
     EventType,
     EventWriter,
@@ -16,9 +17,8 @@ from store import (
     WriterBackpressure,
     WriterClosed,
 )
-from store.connection import connect
-from store.writer import APPLICATION_NAME
-from tests.support import chunk_event
+from trajstore.store.connection import connect
+from trajstore.store.writer import APPLICATION_NAME
 
 TERMINATE = """
 SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from store import EventStore, EventType, NewEvent, request_stream, session_stream
+from trajstore.store import EventStore, EventType, NewEvent, request_stream, session_stream
 
 TOOL_CALL = {
     "id": "call-1",

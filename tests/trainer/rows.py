@@ -14,9 +14,9 @@ from typing import Any
 import asyncpg
 import numpy as np
 
-from store.samples import PROJECTION_VERSION
-from store.sessions import ChoiceRecord, SessionRecord, TurnRecord
-from store.tokens import encode_logprobs, encode_token_ids
+from trajstore.store.samples import PROJECTION_VERSION
+from trajstore.store.sessions import ChoiceRecord, SessionRecord, TurnRecord
+from trajstore.store.tokens import encode_logprobs, encode_token_ids
 
 
 def sample_row(

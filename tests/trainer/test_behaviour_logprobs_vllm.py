@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from store import EventStore
-from store.projection import Projector
 from tests.proxy.fixtures import ProxyFactory
-from trainer.loss import token_logprobs
+from trajstore.store import EventStore
+from trajstore.store.projection import Projector
+from trajstore.trainer.loss import token_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

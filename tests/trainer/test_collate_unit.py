@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.advantages import group_advantages
-from trainer.collate import (
+from trajstore.trainer.advantages import group_advantages
+from trajstore.trainer.collate import (
     FIELDS,
     Layout,
     ReplaySample,
@@ -17,7 +17,7 @@ from trainer.collate import (
     collate,
     sample_ids,
 )
-from trainer.errors import BadSelection
+from trajstore.trainer.errors import BadSelection
 
 
 def sample(tokens: list[int], n_prompt: int, *, advantage: float = 0.5) -> ReplaySample:

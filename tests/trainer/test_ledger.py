@@ -10,13 +10,13 @@ import torch
 from click.testing import CliRunner
 from tensordict import TensorDict
 
-from store import EventStore
-from store.cli import main
 from tests.trainer.rows import insert_samples, sample_row
-from trainer.collate import Layout
-from trainer.errors import SampleChanged, SampleGone, StepAlreadyRecorded, StepNotFound
-from trainer.ledger import rebuild_step, record_step
-from trainer.replay import replay
+from trajstore.cli import main
+from trajstore.store import EventStore
+from trajstore.trainer.collate import Layout
+from trajstore.trainer.errors import SampleChanged, SampleGone, StepAlreadyRecorded, StepNotFound
+from trajstore.trainer.ledger import rebuild_step, record_step
+from trajstore.trainer.replay import replay
 
 LAYOUTS = [Layout(batch_size=3), Layout(token_budget=12, pack=True, batch_size=2)]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from trainer.loss import LossConfig, policy_loss, token_logprobs
+from trajstore.trainer.loss import LossConfig, policy_loss, token_logprobs
 
 
 def batch(

@@ -22,11 +22,11 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from store import EventStore
-from store.cli import main
-from store.timeline import session_as_of
 from tests.proxy.fixtures import ProxyFactory, RunningProxy, served_tiny_model
-from trainer.mismatch import check_session, overall
+from trajstore.cli import main
+from trajstore.store import EventStore
+from trajstore.store.timeline import session_as_of
+from trajstore.trainer.mismatch import check_session, overall
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import ray
 
-from store import EventStore
 from tests.trainer.rows import insert_samples, sample_row
-from trainer.ray_data import read_samples, split_for_workers
-from trainer.selection import Selection
+from trajstore.store import EventStore
+from trajstore.trainer.ray_data import read_samples, split_for_workers
+from trajstore.trainer.selection import Selection
 
 pytestmark = pytest.mark.slow
 

@@ -15,11 +15,11 @@ import pytest
 import ray
 from openai import OpenAI
 
-from proxy.ray_actor import proxy_url, start_proxy_actor
-from proxy.settings import ProxySettings
-from store import EventStore
-from store.sessions import rebuild_session
 from tests.proxy.fake_engine import FakeEngine
+from trajstore.proxy.ray_actor import proxy_url, start_proxy_actor
+from trajstore.proxy.settings import ProxySettings
+from trajstore.store import EventStore
+from trajstore.store.sessions import rebuild_session
 
 pytestmark = pytest.mark.slow
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from proxy.tiny_model import build_tiny_model
-from store import EventStore
-from trainer import toy_task
-from trainer.ledger import read_step
-from trainer.recipe import train_steps
-from trainer.replay import replay
-from trainer.selection import Selection
+from trajstore.store import EventStore
+from trajstore.tiny_model import build_tiny_model
+from trajstore.trainer import toy_task
+from trajstore.trainer.ledger import read_step
+from trajstore.trainer.recipe import train_steps
+from trajstore.trainer.replay import replay
+from trajstore.trainer.selection import Selection
 
 pytestmark = pytest.mark.slow
 

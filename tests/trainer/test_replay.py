@@ -8,12 +8,12 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from store import EventStore
 from tests.trainer.rows import insert_samples, sample_row
-from trainer.collate import sample_ids
-from trainer.errors import BadSelection
-from trainer.replay import LiveCheckpoint, replay, replay_live
-from trainer.selection import Selection
+from trajstore.store import EventStore
+from trajstore.trainer.collate import sample_ids
+from trajstore.trainer.errors import BadSelection
+from trajstore.trainer.replay import LiveCheckpoint, replay, replay_live
+from trajstore.trainer.selection import Selection
 
 
 def group_rows(n_groups: int, per_group: int = 2, **kwargs: Any) -> list[dict[str, Any]]:

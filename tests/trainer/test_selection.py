@@ -6,10 +6,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from store import EventStore
 from tests.trainer.rows import insert_samples, sample_row
-from trainer.errors import BadSelection
-from trainer.selection import Selection
+from trajstore.store import EventStore
+from trajstore.trainer.errors import BadSelection
+from trajstore.trainer.selection import Selection
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -9,10 +9,10 @@ import orjson
 import pytest
 from click.testing import CliRunner, Result
 
-from store import EventStore
-from store.cli import main
 from tests.conftest import free_port
 from tests.store.test_timeline import Recorder, record_tool_session
+from trajstore.cli import main
+from trajstore.store import EventStore
 
 
 def record(database_url: str) -> dict[str, int]:

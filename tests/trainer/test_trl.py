@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
-from store import EventStore
-from store.projection import Projector
-from store.samples import build_samples, final_branch
-from store.sessions import rebuild_session
-from store.tokens import decode_logprobs, decode_token_ids
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory
 from tests.trainer.rows import branched_session, insert_samples, sample_row
-from trainer.selection import Selection
-from trainer.trl_rollout import (
+from trajstore.store import EventStore
+from trajstore.store.projection import Projector
+from trajstore.store.samples import build_samples, final_branch
+from trajstore.store.sessions import rebuild_session
+from trajstore.store.tokens import decode_logprobs, decode_token_ids
+from trajstore.trainer.selection import Selection
+from trajstore.trainer.trl_rollout import (
     DATASET_COLUMNS,
     Agent,
     RolloutFailed,

@@ -24,18 +24,18 @@ import torch
 from openai import AsyncOpenAI
 from verl.protocol import DataProto
 
-from proxy.tiny_model import build_tiny_model
-from store import EventStore
-from store.projection import Projector
-from store.samples import build_samples, final_branch
-from store.tokens import encode_logprobs, encode_token_ids
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory
 from tests.trainer.rows import branched_session, insert_samples, sample_row
-from trainer.errors import BadSelection
-from trainer.selection import Selection
-from trainer.verl_batch import TENSOR_FIELDS, split_sample, verl_batch, verl_batches
-from trainer.verl_loop import (
+from trajstore.store import EventStore
+from trajstore.store.projection import Projector
+from trajstore.store.samples import build_samples, final_branch
+from trajstore.store.tokens import encode_logprobs, encode_token_ids
+from trajstore.tiny_model import build_tiny_model
+from trajstore.trainer.errors import BadSelection
+from trajstore.trainer.selection import Selection
+from trajstore.trainer.verl_batch import TENSOR_FIELDS, split_sample, verl_batch, verl_batches
+from trajstore.trainer.verl_loop import (
     AgentFailed,
     TrajstoreSettings,
     output_fields,
@@ -73,7 +73,11 @@ def verl_worker(tiny_model: Path, tmp_path: Path, options: dict[str, Any]) -> An
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
     loops = tmp_path / "agent_loops.yaml"
-    entry = {"name": "trajstore", "_target_": "trainer.verl_loop.TrajstoreAgentLoop", **options}
+    entry = {
+        "name": "trajstore",
+        "_target_": "trajstore.trainer.verl_loop.TrajstoreAgentLoop",
+        **options,
+    }
     loops.write_text(yaml.safe_dump([entry]))
     config = OmegaConf.load(
         Path(verl.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from store import EventStore, EventType
-from trainer.demo import Task, make_tasks, reward, run_tool
+from trajstore.demo import Task, make_tasks, reward, run_tool
+from trajstore.store import EventStore, EventType
 
 
 def test_a_valid_tool_call_is_computed_and_an_invalid_one_is_told_what_to_send() -> None:
@@ -51,7 +51,7 @@ async def test_demo_runs_agents_through_the_proxy_and_summarises_them(
 ) -> None:
     env = {**os.environ, "TRAJSTORE_DATA_DIR": str(tmp_path)}
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "store", "--database-url", database_url, "demo",
+        sys.executable, "-m", "trajstore", "--database-url", database_url, "demo",
         "--engine", vllm, "--agents", "2", "--turns", "2", "--run-id", "demo-test",
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -84,4 +84,4 @@ async def test_demo_runs_agents_through_the_proxy_and_summarises_them(
     for row in rewards:
         payload = json.loads(row["payload"])
         assert set(payload["components"]) == {"valid_tool_call", "correct", "numeric"}
-        assert payload["source"] == "trainer.demo"
+        assert payload["source"] == "trajstore.demo"

@@ -17,11 +17,11 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from proxy.stack import cached_tiny_model
-from store import EventStore, EventType
-from store.embedded import EmbeddedPostgres
 from tests.conftest import free_port, world_readable_tempdir
 from tests.proxy.fake_engine import FakeEngine
+from trajstore.stack import cached_tiny_model
+from trajstore.store import EventStore, EventType
+from trajstore.store.embedded import EmbeddedPostgres
 
 
 @dataclass
@@ -48,7 +48,7 @@ async def start_up(*args: str, data_dir: Path, startup_timeout: float = 60, **en
     env = {**os.environ, "TRAJSTORE_DATA_DIR": str(data_dir), **env_vars}
     env.pop("TRAJSTORE_DATABASE_URL", None)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "store", *args,
+        sys.executable, "-m", "trajstore", *args,
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert process.stdout is not None
@@ -181,7 +181,7 @@ async def test_a_taken_port_is_named_with_what_to_do(
     port = int(engine.url.rsplit(":", 1)[1])  # the fake engine listens there
     env = {**os.environ, "TRAJSTORE_DATA_DIR": str(tmp_path)}
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "store", "--database-url", database_url, "up",
+        sys.executable, "-m", "trajstore", "--database-url", database_url, "up",
         "--engine", engine.url, "--port", str(port),
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

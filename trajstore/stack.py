@@ -30,12 +30,12 @@ from typing import Any
 
 import click
 
-from proxy.cli import engine_urls, free_port_from, proxy_settings, store_settings_of
-from proxy.cli import proxy as proxy_command
-from proxy.settings import ProxySettings
-from proxy.vllm_server import VllmServer
-from store.embedded import EmbeddedPostgres
-from store.settings import StoreSettings
+from trajstore.proxy.cli import engine_urls, free_port_from, proxy_settings, store_settings_of
+from trajstore.proxy.cli import proxy as proxy_command
+from trajstore.proxy.settings import ProxySettings
+from trajstore.store.embedded import EmbeddedPostgres
+from trajstore.store.settings import StoreSettings
+from trajstore.vllm_server import VllmServer
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def cached_tiny_model(data_dir: Path) -> Path:
     It is written to a temporary directory beside it and renamed into place, so an interrupted
     build never leaves a half model that a later `up` would try to serve.
     """
-    from proxy.tiny_model import build_tiny_model
+    from trajstore.tiny_model import build_tiny_model
 
     model_dir = data_dir / "tiny-model"
     if (model_dir / "config.json").is_file():
@@ -157,7 +157,7 @@ def backends(store_settings: StoreSettings, engines: list[str]) -> Iterator[Back
     """Start (or connect to) PostgreSQL, migrate it, start a local vLLM when no engine is named;
     stop, on the way out, what was started here (the embedded server only if it was not
     running before)."""
-    from store import migrations, roles
+    from trajstore.store import migrations, roles
 
     embedded: EmbeddedPostgres | None = None
     vllm: VllmServer | None = None
@@ -271,9 +271,9 @@ async def serving(
     (`store.roles`), else with `database_url`."""
     import uvicorn
 
-    from proxy.app import create_app
-    from store.eventstore import EventStore
-    from store.projection import Projector
+    from trajstore.proxy.app import create_app
+    from trajstore.store.eventstore import EventStore
+    from trajstore.store.projection import Projector
 
     class Server(uvicorn.Server):
         """uvicorn without its signal handlers: the caller handles signals (module docstring)."""

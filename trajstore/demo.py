@@ -35,11 +35,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from proxy.cli import proxy_settings, store_settings_of
-from proxy.stack import backends, serving
-from proxy.tiny_model import arithmetic_tool
-from store.eventstore import EventStore
-from store.sql import print_query
+from trajstore.proxy.cli import proxy_settings, store_settings_of
+from trajstore.stack import backends, serving
+from trajstore.store.eventstore import EventStore
+from trajstore.store.sql import print_query
+from trajstore.tiny_model import arithmetic_tool
 
 #: The tools of the toy world the tiny model's tokenizer was trained on.
 TOOLS: list[dict[str, Any]] = [arithmetic_tool(name) for name in ("add", "multiply")]
@@ -183,7 +183,7 @@ async def run_agent(
     result.reward, result.parts = reward(task, result.valid_tool_calls > 0, answer)
     await http.post(
         f"{proxy_url}/sessions/{result.session_id}/reward",
-        json={"value": result.reward, "components": result.parts, "source": "trainer.demo"},
+        json={"value": result.reward, "components": result.parts, "source": "trajstore.demo"},
         headers={"Authorization": f"Bearer {created['orchestrator_key']}"},
     )
     await _finish(http, proxy_url, created, "completed", None)
@@ -232,7 +232,7 @@ async def train_on_samples(
     None when there is nothing to train: no local model (the engine was given with --engine, so
     its weights are not here) or no completed sample in the run.
     """
-    from trainer.recipe import train_steps
+    from trajstore.trainer.recipe import train_steps
 
     if model_dir is None:
         return None

@@ -1,0 +1,143 @@
+"""The house: which part may import which, no import cycle, and one installed name.
+
+store/ imports none of the others; proxy/ and trainer/ import only store/ (the trainer never
+talks to an engine, the proxy knows nothing of torch); the room above them (trajstore/: the
+command line, the local stack, the demo, the tiny model) may import them all. Imports inside
+functions count too: a lazy import is still an arrow.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("store", "proxy", "trainer")
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the installed package `trajstore`, by its dotted name."""
+    found = {}
+    for part in PARTS:
+        for path in (ROOT / part).rglob("*.py"):
+            name = ".".join(("trajstore", *path.relative_to(ROOT).with_suffix("").parts))
+            found[name.removesuffix(".__init__")] = path
+    for path in (ROOT / "trajstore").glob("*.py"):
+        found["trajstore" if path.stem == "__init__" else f"trajstore.{path.stem}"] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the trajstore modules it imports (a `from package import module` names it)."""
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    imported.add(submodule if submodule in known else node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+        graph[name] = {m for m in imported if m in known and m != name}
+    return graph
+
+
+def part_of(module: str) -> str:
+    """'store', 'proxy' or 'trainer', or 'room' for trajstore/ itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in PARTS else "room"
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                other = stack.pop()
+                component.append(other)
+                if other == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_every_module_is_found_under_the_installed_name() -> None:
+    found = modules()
+    assert {"trajstore.store.eventstore", "trajstore.proxy.app", "trajstore.trainer.replay"} <= set(
+        found
+    )
+    assert {"trajstore.cli", "trajstore.demo", "trajstore.stack", "trajstore.tiny_model"} <= set(
+        found
+    )
+
+
+def test_arrows_point_toward_the_store() -> None:
+    allowed = {"store": {"store"}, "proxy": {"proxy", "store"}, "trainer": {"trainer", "store"}}
+    wrong = [
+        f"{module} imports {other}"
+        for module, imported in import_graph().items()
+        for other in imported
+        if part_of(module) in allowed and part_of(other) not in allowed[part_of(module)]
+    ]
+    assert wrong == []
+
+
+def test_no_import_cycle() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    # The check above would pass on any graph if the finder never found anything.
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_another_packages_proxy_does_not_break_trajstore(tmp_path: Path) -> None:
+    # proxy.py (PyPI) installs a top-level `proxy`; so could anything else called store or
+    # trainer. With them first on the path, trajstore still imports and runs its own parts.
+    for name in PARTS:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"FOREIGN = {name!r}\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    script = (
+        "import proxy, store, trainer\n"
+        "assert proxy.FOREIGN == 'proxy' and store.FOREIGN == 'store'\n"
+        "import trajstore.proxy.app, trajstore.store, trajstore.trainer.cli\n"
+        "print(trajstore.proxy.app.__file__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("proxy/app.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "trajstore", "proxy", "--help"], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "recording proxy" in done.stdout
