@@ -1,13 +1,20 @@
-"""compose.yaml, checked without a Docker engine: Debian's docker-compose 1.29 resolves and
-validates it, and every command it would run is run here against the real CLI.
+"""compose.yaml, checked with no Docker and no system package: tests/compose.py resolves it as
+Compose does (the committed `.env`, interpolation, anchors, profiles), the Compose specification's
+JSON schema validates the result, and every command a service would run is run here against the
+real CLI. Where a Compose v2 is installed (`docker compose`, or a `docker-compose` 2.x), it
+resolves the file too and must start the same services with the same settings.
 
-docker-compose is required, not optional: a missing one fails these tests (`.ci/test` installs
-it), so an invalid compose file can never pass unnoticed.
+tests/compose-spec.json is the Compose specification's schema as Docker Compose embeds it:
+`schema/compose-spec.json` of the compose-spec/compose-go repository (the original, of which
+compose-spec/compose-spec keeps a copy) at release v2.13.0 (2026-06-29, commit 0670a1c),
+unmodified; Apache-2.0, compose-go's license. To update it, replace the file with a newer
+release's copy and run these tests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -17,74 +24,129 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from proxy.vllm_server import CPU_FLAGS
+from tests.compose import ComposeError, Stack, interpolate, read_env_file, resolve, schema_errors
 from tests.conftest import world_readable_tempdir
+from trajstore.vllm_server import CPU_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
-PASSWORD_MESSAGE = "set TRAJSTORE_DB_PASSWORD to a password for the stack's PostgreSQL"
 TRAJSTORE_IMAGES = {"trajstore:latest", "trajstore:vllm-cpu"}
+CORE = {"postgres", "migrate", "proxy", "projector"}
+YOUR_ENGINES = "http://host.docker.internal:8000,http://host.docker.internal:8001"
+# What a user types, as environments: nothing; the GPU switch; their own engines and none of ours.
+SWITCHES: dict[str, dict[str, str]] = {
+    "no variables": {},
+    "gpu": {"COMPOSE_PROFILES": "gpu"},
+    "your engines": {"COMPOSE_PROFILES": "", "TRAJSTORE_ENGINES": YOUR_ENGINES},
+}
 
 
-def compose(*args: str, password: str | None = "secret") -> subprocess.CompletedProcess[str]:
-    """Run docker-compose on the project's compose.yaml, with or without the required password."""
-    program = shutil.which("docker-compose")
-    if program is None:
-        pytest.fail(
-            "docker-compose is not installed; `apt-get install -y docker-compose` "
-            "(.ci/test does it) — compose.yaml cannot be validated without it"
-        )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
-    if password is not None:
-        env["TRAJSTORE_DB_PASSWORD"] = password
-    return subprocess.run(
-        [program, "-f", str(ROOT / "compose.yaml"), *args],
-        env=env, capture_output=True, text=True, timeout=60, check=False,
+def every_service(**environ: str) -> Stack:
+    """The stack with every profile active, so that each service's settings can be read."""
+    return resolve({**environ, "COMPOSE_PROFILES": "*"})
+
+
+# The resolver's rules, on small inputs (each as Compose v2.40 resolves it).
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ("${SET}/${EMPTY}/${UNSET}", "x//"),
+        ("${EMPTY:-d} ${EMPTY-d} ${UNSET-d} ${SET:-d}", "d  d x"),
+        ("${EMPTY:+r} ${EMPTY+r} ${UNSET+r} ${SET:+r}", " r  r"),
+        ("${EMPTY?m}|${SET:?m}", "|x"),
+        ("$SET/$$SET/$${SET}/$1", "x/$SET/${SET}/$1"),
+    ],
+)
+def test_interpolation_follows_compose(template: str, expected: str) -> None:
+    assert interpolate(template, {"SET": "x", "EMPTY": ""}) == expected
+
+
+@pytest.mark.parametrize("template", ["${EMPTY:?say what}", "${UNSET?say what}"])
+def test_a_required_variable_stops_with_its_message(template: str) -> None:
+    with pytest.raises(ComposeError, match=r"missing a value: say what"):
+        interpolate(template, {"EMPTY": ""})
+
+
+@pytest.mark.parametrize("template", ["${1A}", "${A", "${A:=b}"])
+def test_a_malformed_variable_is_refused(template: str) -> None:
+    with pytest.raises(ComposeError, match=r"invalid interpolation format"):
+        interpolate(template, {"A": "x"})
+
+
+def test_the_env_file_gives_defaults_that_the_environment_overrides(tmp_path: Path) -> None:
+    (tmp_path / "compose.yaml").write_text(
+        "services:\n"
+        "  core: {image: 'x:${TAG}'}\n"
+        "  extra: {image: y, profiles: [more]}\n"
     )  # fmt: skip
+    (tmp_path / ".env").write_text("# defaults\nTAG=1 # a comment\nCOMPOSE_PROFILES=more\n")
+    assert read_env_file(tmp_path / ".env") == {"TAG": "1", "COMPOSE_PROFILES": "more"}
+    stack = resolve({}, tmp_path / "compose.yaml")
+    assert stack.services["core"]["image"] == "x:1" and set(stack.services) == {"core", "extra"}
+    # Set in the environment, even to nothing, a variable wins over the file.
+    stack = resolve({"TAG": "2", "COMPOSE_PROFILES": ""}, tmp_path / "compose.yaml")
+    assert stack.services["core"]["image"] == "x:2" and set(stack.services) == {"core"}
 
 
-def resolved() -> dict[str, Any]:
-    """The configuration docker-compose resolves (every service, whatever its profile)."""
-    done = compose("config")
-    assert done.returncode == 0, done.stderr
-    config: dict[str, Any] = yaml.safe_load(done.stdout)
-    return config
+def test_the_schema_finds_what_compose_would_refuse() -> None:
+    document = every_service().document
+    document["services"]["proxy"]["comand"] = ["proxy"]
+    document["services"]["migrate"]["volumes"] = "recorder-url:/run/trajstore/recorder"
+    errors = schema_errors(document)
+    assert any(e.startswith("services.proxy:") and "'comand'" in e for e in errors), errors
+    assert any(e.startswith("services.migrate.volumes:") for e in errors), errors
 
 
-def test_compose_file_is_valid() -> None:
-    done = compose("config", "-q")
-    assert done.returncode == 0, done.stderr
+# compose.yaml as a user meets it.
 
 
-def test_the_core_starts_without_a_profile_and_each_engine_has_its_own() -> None:
-    # docker-compose 1.29 lists every service in `config`, active or not: read the profiles.
-    profiles = {name: s.get("profiles") for name, s in resolved()["services"].items()}
-    assert profiles == {
-        "postgres": None, "migrate": None, "proxy": None, "projector": None,
-        "engine-cpu": ["cpu"], "engine-gpu": ["gpu"],
-    }  # fmt: skip
+def test_with_no_variables_the_stack_is_valid_and_starts_with_the_cpu_engine() -> None:
+    stack = resolve({})
+    assert schema_errors(stack.document) == []
+    assert set(stack.services) == {*CORE, "engine-cpu"}
+    assert stack.services["proxy"]["environment"]["TRAJSTORE_ENGINES"] == "http://engine:8000"
+    assert stack.services["engine-cpu"]["networks"]["default"]["aliases"] == ["engine"]
 
 
-def test_a_missing_password_fails_fast_with_what_to_set() -> None:
-    done = compose("config", "-q", password=None)
-    assert done.returncode != 0
-    assert PASSWORD_MESSAGE in done.stderr
+def test_one_switch_starts_the_gpu_engine_instead() -> None:
+    stack = resolve(SWITCHES["gpu"])
+    assert schema_errors(stack.document) == []
+    assert set(stack.services) == {*CORE, "engine-gpu"}
+    assert stack.services["engine-gpu"]["networks"]["default"]["aliases"] == ["engine"]
+
+
+def test_your_own_engines_replace_ours() -> None:
+    stack = resolve(SWITCHES["your engines"])
+    assert schema_errors(stack.document) == []
+    assert set(stack.services) == CORE
+    assert stack.services["proxy"]["environment"]["TRAJSTORE_ENGINES"] == YOUR_ENGINES
+    # An engine on the Docker host, by the name the proxy maps to it (Docker Desktop has it).
+    assert "host.docker.internal:host-gateway" in stack.services["proxy"]["extra_hosts"]
+
+
+def test_the_default_password_is_for_a_stack_published_on_127_0_0_1_only() -> None:
+    for name, service in every_service().services.items():
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond this machine"
+    for environ, password in (({}, "trajstore"), ({"TRAJSTORE_DB_PASSWORD": "s3cret"}, "s3cret")):
+        services = every_service(**environ).services
+        assert services["postgres"]["environment"]["POSTGRES_PASSWORD"] == password
+        assert services["migrate"]["environment"]["TRAJSTORE_DATABASE_URL"] == (
+            f"postgresql://trajstore:{password}@postgres:5432/trajstore"
+        )
 
 
 def test_only_the_migration_holds_the_owners_password() -> None:
-    services = resolved()["services"]
-    assert services["postgres"]["environment"]["POSTGRES_PASSWORD"] == "secret"
+    services = every_service(TRAJSTORE_DB_PASSWORD="s3cret").services
     migrate = services["migrate"]["environment"]
-    assert (
-        migrate["TRAJSTORE_DATABASE_URL"] == "postgresql://trajstore:secret@postgres:5432/trajstore"
-    )
     # The proxy and the projector get their role's URL from a volume of their own, which the
     # migration writes; the owner's URL (and password) reaches neither.
     for name, role in (("proxy", "RECORDER"), ("projector", "PROJECTOR")):
         environment = services[name]["environment"]
         assert "TRAJSTORE_DATABASE_URL" not in environment
-        assert "secret" not in str(environment)
+        assert "s3cret" not in str(environment)
         url_file = environment[f"TRAJSTORE_{role}_DATABASE_URL_FILE"]
         assert migrate[f"TRAJSTORE_{role}_DATABASE_URL_FILE"] == url_file
         [(source, target, mode)] = [v.split(":") for v in services[name]["volumes"]]
@@ -96,7 +158,7 @@ def test_only_the_migration_holds_the_owners_password() -> None:
 
 
 def test_proxy_and_projector_start_after_a_healthy_database_and_a_finished_migration() -> None:
-    services = resolved()["services"]
+    services = every_service().services
     assert services["migrate"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
     for name in ("proxy", "projector"):
         assert services[name]["depends_on"] == {
@@ -105,19 +167,23 @@ def test_proxy_and_projector_start_after_a_healthy_database_and_a_finished_migra
         }
     for name in ("postgres", "proxy", "projector", "engine-cpu", "engine-gpu"):
         assert services[name]["healthcheck"]["test"], f"{name} has no health check"
+    # Whatever the switch, what a started service waits for is started too.
+    for switch, environ in SWITCHES.items():
+        started = resolve(environ).services
+        for name, service in started.items():
+            assert set(service.get("depends_on", {})) <= set(started), f"{switch}: {name}"
 
 
 def test_every_trajstore_command_in_compose_is_a_real_cli_command() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["trajstore"]' in dockerfile
-    services = resolved()["services"]
     checked = []
-    for name, service in services.items():
+    for name, service in every_service().services.items():
         if service.get("image") not in TRAJSTORE_IMAGES or "entrypoint" in service:
             continue
         # --help after the arguments: click rejects an unknown option before it prints help.
         done = subprocess.run(
-            [sys.executable, "-m", "store", *service["command"], "--help"],
+            [sys.executable, "-m", "trajstore", *service["command"], "--help"],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert done.returncode == 0, f"{name}: trajstore {service['command']}: {done.stderr}"
@@ -128,15 +194,15 @@ def test_every_trajstore_command_in_compose_is_a_real_cli_command() -> None:
 def test_the_cpu_engine_serves_the_tiny_model_with_the_flags_the_tests_use(
     tmp_path: Path,
 ) -> None:
-    script = resolved()["services"]["engine-cpu"]["command"][0]
+    script = resolve({}).services["engine-cpu"]["command"][0]
     assert " ".join(CPU_FLAGS) in script
     assert "--served-model-name tiny" in script
     # The model-making part, run here as the container would (with a local directory).
-    match = re.search(r"python -m proxy\.tiny_model (\S+);", script)
+    match = re.search(r"python -m trajstore\.tiny_model (\S+);", script)
     assert match is not None, script
     target = tmp_path / "tiny"
     done = subprocess.run(
-        [sys.executable, "-m", "proxy.tiny_model", str(target)],
+        [sys.executable, "-m", "trajstore.tiny_model", str(target)],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -144,22 +210,17 @@ def test_the_cpu_engine_serves_the_tiny_model_with_the_flags_the_tests_use(
     assert (target / "config.json").is_file()
 
 
-def _projector_health_check() -> list[str]:
-    test: list[str] = resolved()["services"]["projector"]["healthcheck"]["test"]
-    assert test[:3] == ["CMD", "python", "-c"]
-    # docker-compose prints `$` escaped as `$$`; the container would see one.
-    return [sys.executable, "-c", test[3].replace("$$", "$")]
-
-
 async def test_the_projector_health_check_tells_a_running_projector_from_none(
     database_url: str,
 ) -> None:
+    test = resolve({}).services["projector"]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"]
+    check = [sys.executable, "-c", test[3]]  # `$$1` in the file: the container sees `$1`
     # As in compose: the projector and its check read the URL the migration wrote for them.
     url_file = world_readable_tempdir("trajstore-compose-") / "url"
     url_file.write_text(database_url + "\n")
     env = {**os.environ, "TRAJSTORE_PROJECTOR_DATABASE_URL_FILE": str(url_file)}
     env.pop("TRAJSTORE_DATABASE_URL", None)
-    check = _projector_health_check()
 
     async def healthy() -> bool:
         probe = await asyncio.create_subprocess_exec(
@@ -169,7 +230,7 @@ async def test_the_projector_health_check_tells_a_running_projector_from_none(
 
     assert not await healthy()
     projector = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "store", "project", env=env, stdout=asyncio.subprocess.PIPE
+        sys.executable, "-m", "trajstore", "project", env=env, stdout=asyncio.subprocess.PIPE
     )
     try:
         assert projector.stdout is not None
@@ -185,15 +246,80 @@ async def test_the_projector_health_check_tells_a_running_projector_from_none(
 
 
 def test_docs_name_every_setting_and_every_compose_variable() -> None:
-    from proxy.settings import ProxySettings
-    from store.settings import StoreSettings
+    from trajstore.proxy.settings import ProxySettings
+    from trajstore.store.settings import StoreSettings
 
     docs = (ROOT / "docs" / "stack.md").read_text()
     readme = (ROOT / "README.md").read_text()
     fields = [*StoreSettings.model_fields, *ProxySettings.model_fields]
     settings = [f"TRAJSTORE_{f.upper()}" for f in fields]
     compose_variables = re.findall(r"\$\{(\w+)", (ROOT / "compose.yaml").read_text())
+    compose_variables += list(read_env_file(ROOT / ".env"))
     missing = [name for name in settings + compose_variables if f"`{name}`" not in docs]
     assert missing == [], f"docs/stack.md does not describe {missing}"
     missing = [name for name in settings if f"`{name}`" not in readme]
     assert missing == [], f"README.md's configuration does not describe {missing}"
+
+
+# A real Compose, where there is one.
+
+
+def compose_v2() -> list[str]:
+    """The command line of an installed Compose v2 (or later); skips the test when there is none."""
+    candidates = []
+    if docker := shutil.which("docker"):
+        candidates.append([docker, "compose"])
+    beside_python = os.pathsep.join([os.environ.get("PATH", ""), str(Path(sys.executable).parent)])
+    if standalone := shutil.which("docker-compose", path=beside_python):
+        candidates.append([standalone])
+    found = []
+    for command in candidates:
+        done = subprocess.run(
+            [*command, "version", "--short"],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        version = done.stdout.strip().removeprefix("v")
+        if done.returncode == 0 and version.split(".")[0].isdigit():
+            if int(version.split(".")[0]) >= 2:
+                return command
+            found.append(f"{' '.join(command)} {version}")
+    why = (
+        f"only {', '.join(found)}, which lists every service in `config` whatever the profiles"
+        if found
+        else "no `docker compose` (the plugin) and no docker-compose 2.x on PATH"
+    )
+    pytest.skip(
+        f"{why}: a real Compose is not compared here (the schema tests above still checked "
+        "compose.yaml); install Docker Compose v2, the `docker compose` plugin, to compare it"
+    )
+
+
+def _unescaped(node: Any) -> Any:
+    """Compose's output with `$$` (how `config` prints a `$`) back to what a container sees."""
+    if isinstance(node, str):
+        return node.replace("$$", "$")
+    if isinstance(node, dict):
+        return {key: _unescaped(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_unescaped(item) for item in node]
+    return node
+
+
+@pytest.mark.parametrize("switch", list(SWITCHES))
+def test_a_real_compose_starts_the_same_services_with_the_same_settings(switch: str) -> None:
+    command = compose_v2()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAJSTORE_", "COMPOSE_"))}
+    done = subprocess.run(
+        [*command, "-f", str(ROOT / "compose.yaml"), "config", "--format", "json"],
+        env={**env, **SWITCHES[switch]}, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    theirs = _unescaped(json.loads(done.stdout)["services"])
+    ours = resolve(SWITCHES[switch]).services
+    assert set(theirs) == set(ours)
+    for name, service in ours.items():
+        for key in ("command", "entrypoint", "environment", "healthcheck"):
+            if key == "healthcheck" and key in service:
+                assert theirs[name][key]["test"] == service[key]["test"], f"{name}.{key}"
+            else:
+                assert theirs[name].get(key) == service.get(key), f"{name}.{key}"
