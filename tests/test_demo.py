@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trajstore.demo import Task, make_tasks, reward, run_tool
+from trajstore.demo import COLUMN_MEANINGS, Task, make_tasks, reward, run_tool
 from trajstore.store import EventStore, EventType
 
 
@@ -63,6 +63,12 @@ async def test_demo_runs_agents_through_the_proxy_and_summarises_them(
         assert title in out
     assert "FROM trajectories WHERE run_id = 'demo-test'" in out  # the SQL, as a reader pastes it
     assert "training: none" in out  # the engine was given: no local weights to train
+    # Every column the summary prints is explained under its table, in one line.
+    for meanings in COLUMN_MEANINGS.values():
+        for column, meaning in meanings.items():
+            assert f"{column}: {meaning}" in out
+    samples_table = out[out.index("samples_per_session") :]
+    assert "1.00" in samples_table.split("samples_per_session: ")[0]  # one sample a session
 
     # What the summary reports is in the store: both sessions, rewarded by the rule, projected.
     async with await EventStore.open(database_url) as store:

@@ -264,15 +264,46 @@ def summary_queries(run_id: str) -> dict[str, str]:
         ),
         # One sample per session when every turn extends the last (proxy.continuation).
         "samples and divergences": (
-            "SELECT count(*) AS sessions, sum(turns) AS turns,\n"
-            "       sum(continued_turns) AS continued_turns, sum(drift_avoided) AS drift_avoided,\n"
-            "       (SELECT count(*) FROM samples s JOIN projection_serving p\n"
-            "          ON p.name = 'samples' AND s.projection_version = p.version\n"
-            f"        WHERE s.run_id = '{run}' AND s.alternative_of IS NULL) AS samples,\n"
-            "       sum(divergences) AS divergences\n"
-            f"FROM trajectories WHERE run_id = '{run}'"
+            "WITH t AS (SELECT count(*) AS sessions, sum(turns) AS turns,\n"
+            "                  sum(continued_turns) AS continued_turns,\n"
+            "                  sum(drift_avoided) AS drift_avoided,\n"
+            "                  sum(divergences) AS divergences\n"
+            f"           FROM trajectories WHERE run_id = '{run}'),\n"
+            "     s AS (SELECT count(*) AS samples FROM samples JOIN projection_serving p\n"
+            "             ON p.name = 'samples' AND samples.projection_version = p.version\n"
+            f"           WHERE samples.run_id = '{run}' AND samples.alternative_of IS NULL)\n"
+            "SELECT t.sessions, t.turns, t.continued_turns, t.drift_avoided, s.samples,\n"
+            "       round(s.samples::numeric / nullif(t.sessions, 0), 2) AS samples_per_session,\n"
+            "       t.divergences\n"
+            "FROM t, s"
         ),
     }
+
+
+#: One line per column the summary prints, under its table.
+COLUMN_MEANINGS: dict[str, dict[str, str]] = {
+    "rewards per task": {
+        "sessions": "sessions of the task in this run",
+        "mean_reward": "their mean reward (1: the right answer, 0: wrong or none)",
+        "tool_turns": "turns in which the model called a tool",
+        "prompt_tokens": "tokens the engine read, summed over turns",
+        "completion_tokens": "tokens the engine generated, summed over turns",
+    },
+    "how completions ended": {
+        "finish_reason": "why the engine stopped: stop (end of answer), tool_calls, length",
+        "turns": "model calls that ended so",
+        "tool_calls": "tool calls they made",
+        "mean_ttft_s": "mean seconds from the request to the first generated token",
+    },
+    "samples and divergences": {
+        "turns": "model calls of the run's sessions",
+        "continued_turns": "turns sent to the engine as the previous turn's tokens + the new ones",
+        "drift_avoided": "of those, turns where re-rendering the text would have changed tokens",
+        "samples": "training samples the projector made (one per unbroken line of turns)",
+        "samples_per_session": "1.00 when every session became one sample",
+        "divergences": "places where a turn's prompt did not extend the previous turn's tokens",
+    },
+}
 
 
 async def print_summary(
@@ -291,6 +322,8 @@ async def print_summary(
         console.print(f"\n[bold]{title}[/]")
         console.print(sql, style="dim", highlight=False)
         await print_query(store, sql, console=console)
+        for column, meaning in COLUMN_MEANINGS[title].items():
+            console.print(f"  {column}: {meaning}", style="dim", highlight=False)
     if training is None:
         console.print("\ntraining: none (no local model, or no completed sample)")
         return
