@@ -27,17 +27,25 @@ TokenIdsLike = Sequence[int] | npt.NDArray[np.integer]
 LogprobsLike = Sequence[float] | npt.NDArray[np.floating]
 
 
+def _vector(values: Any, name: str, kinds: str, expected: str) -> npt.NDArray[Any] | None:
+    """`values` as a one-dimensional array whose dtype kind is one of `kinds`; None when empty."""
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise BadEvent(f"{name} must be one-dimensional, got shape {array.shape}")
+    if array.size == 0:
+        return None
+    if array.dtype.kind not in kinds:
+        raise BadEvent(f"{name} must be {expected}, got dtype {array.dtype}")
+    return array
+
+
 def encode_token_ids(token_ids: TokenIdsLike) -> bytes:
     """Pack token ids (non-negative integers below 2**31) as little-endian int32 bytes."""
     if isinstance(token_ids, list):
         return _pack_list(token_ids, "I", "token_ids must be integers")
-    array = np.asarray(token_ids)
-    if array.ndim != 1:
-        raise BadEvent(f"token_ids must be one-dimensional, got shape {array.shape}")
-    if array.size == 0:
+    array = _vector(token_ids, "token_ids", "iu", "integers")
+    if array is None:
         return b""
-    if array.dtype.kind not in "iu":
-        raise BadEvent(f"token_ids must be integers, got dtype {array.dtype}")
     # Range-check before the cast: astype would wrap 2**31 to a negative id silently. An int32
     # array (the projector's, built from stored ids) cannot exceed the maximum.
     too_large = array.dtype != np.int32 and array.max() > MAX_TOKEN_ID
@@ -50,13 +58,9 @@ def encode_logprobs(logprobs: LogprobsLike) -> bytes:
     """Pack logprobs as little-endian float32 bytes; -inf (an impossible token) is kept."""
     if isinstance(logprobs, list):
         return _pack_list(logprobs, "f", "logprobs must be floats")
-    array = np.asarray(logprobs)
-    if array.ndim != 1:
-        raise BadEvent(f"logprobs must be one-dimensional, got shape {array.shape}")
-    if array.size == 0:
+    array = _vector(logprobs, "logprobs", "fiu", "floats")
+    if array is None:
         return b""
-    if array.dtype.kind not in "fiu":
-        raise BadEvent(f"logprobs must be floats, got dtype {array.dtype}")
     return array.astype(LOGPROB_DTYPE, copy=False).tobytes()
 
 

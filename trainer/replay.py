@@ -110,7 +110,6 @@ def _sample(
 ) -> ReplaySample:
     tokens, mask, logprobs = arrays
     assert entry.reward is not None
-    version = entry.policy_version_min
     return ReplaySample(
         entry.sample_id,
         entry.session_id,
@@ -119,8 +118,7 @@ def _sample(
         logprobs,
         float(entry.reward),
         advantage,
-        -1 if version is None else int(version),
-        selection.staleness(version),
+        *selection.versions(entry.policy_version_min),
     )
 
 

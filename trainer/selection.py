@@ -171,6 +171,12 @@ class Selection:
             return -1
         return self.current_policy_version - policy_version_min
 
+    def versions(self, policy_version_min: int | None) -> tuple[int, int]:
+        """A sample's policy version (its oldest turn's) and its staleness, as batches carry them:
+        -1 where unknown."""
+        version = -1 if policy_version_min is None else int(policy_version_min)
+        return version, self.staleness(policy_version_min)
+
     def as_json(self) -> dict[str, Any]:
         """A JSON-able view (datetimes in ISO 8601), e.g. for the training ledger."""
         out: dict[str, Any] = {}

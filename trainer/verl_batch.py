@@ -203,15 +203,13 @@ def collate_verl(
 
 def _row(entry: IndexEntry, arrays: tuple[Any, Any, Any], selection: Selection) -> VerlRow:
     assert entry.reward is not None
-    version = entry.policy_version_min
     return VerlRow(
         split_sample(*arrays),
         float(entry.reward),
         entry.group_id if entry.group_id is not None else entry.session_id,
         str(entry.sample_id),
         entry.session_id,
-        -1 if version is None else int(version),
-        selection.staleness(version),
+        *selection.versions(entry.policy_version_min),
     )
 
 

@@ -21,6 +21,8 @@ from tests.proxy.fake_engine import FakeEngine
 from trajstore.proxy.app import create_app
 from trajstore.proxy.settings import ProxySettings
 from trajstore.store import EventStore
+from trajstore.store.samples import Sample, build_samples
+from trajstore.store.sessions import rebuild_session
 from trajstore.tiny_model import build_tiny_model
 from trajstore.vllm_server import VllmServer
 
@@ -48,6 +50,27 @@ class RunningProxy:
     def agent(self, session: dict[str, Any]) -> AsyncOpenAI:
         """An official OpenAI client pointed at the session, as an agent would be."""
         return AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
+
+    async def session_record(self, session_id: str) -> dict[str, Any]:
+        """The proxy's record of a session (`GET /sessions/{id}`): status, turns, rewards."""
+        response = await self.http.get(f"{self.url}/sessions/{session_id}")
+        assert response.status_code == 200, response.text
+        record: dict[str, Any] = response.json()
+        return record
+
+    async def finish(self, session_id: str, status: str = "completed") -> httpx.Response:
+        """Finish a session (`POST /sessions/{id}/finish`) and return the proxy's answer."""
+        return await self.http.post(
+            f"{self.url}/sessions/{session_id}/finish", json={"status": status}
+        )
+
+    async def finished_samples(self, database_url: str, session_id: str) -> list[Sample]:
+        """Finish a session, then build its samples from the log as the projector would."""
+        finished = await self.finish(session_id)
+        assert finished.status_code == 200, finished.text
+        async with await EventStore.open(database_url) as store:
+            events = await store.read_session(session_id)
+        return build_samples(rebuild_session(session_id, events, packed=True))
 
 
 @contextlib.asynccontextmanager

@@ -16,9 +16,6 @@ import pytest
 
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
-from trajstore.store import EventStore
-from trajstore.store.samples import build_samples
-from trajstore.store.sessions import rebuild_session
 
 ADD = {
     "type": "object",
@@ -45,23 +42,6 @@ def claude(session: dict[str, Any], **kwargs: Any) -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(
         base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0, **kwargs
     )
-
-
-async def turns_of(proxy: RunningProxy, session_id: str) -> list[dict[str, Any]]:
-    response = await proxy.http.get(f"{proxy.url}/sessions/{session_id}")
-    assert response.status_code == 200, response.text
-    turns: list[dict[str, Any]] = response.json()["turns"]
-    return turns
-
-
-async def samples_of(proxy: RunningProxy, database_url: str, session_id: str) -> list[Any]:
-    finished = await proxy.http.post(
-        f"{proxy.url}/sessions/{session_id}/finish", json={"status": "completed"}
-    )
-    assert finished.status_code == 200, finished.text
-    async with await EventStore.open(database_url) as store:
-        events = await store.read_session(session_id)
-    return build_samples(rebuild_session(session_id, events, packed=True))
 
 
 async def test_a_streamed_tool_use_round_trip_is_one_continued_sample(
@@ -93,12 +73,12 @@ async def test_a_streamed_tool_use_round_trip_is_one_continued_sample(
     )
     assert second.stop_reason == "tool_use"
 
-    turns = await turns_of(proxy, session["session_id"])
+    turns = (await proxy.session_record(session["session_id"]))["turns"]
     assert [t["api"] for t in turns] == ["messages", "messages"]
     assert [t["prompt_source"] for t in turns] == ["rendered", "continued"]
     [choice] = turns[0]["choices"]
     assert (choice["finish_reason"], choice["api_finish_reason"]) == ("tool_calls", "tool_use")
-    [sample] = await samples_of(proxy, database_url, session["session_id"])
+    [sample] = await proxy.finished_samples(database_url, session["session_id"])
     assert sample.turns == [0, 1] and sample.divergence is None
 
 
@@ -132,10 +112,10 @@ async def test_a_function_call_round_trip_through_responses_is_one_sample(
     assert final is not None
     [streamed_call] = [item for item in final.output if item.type == "function_call"]
     assert streamed_call.arguments == arguments and set(httpx.Response(200, text=arguments).json())
-    turns = await turns_of(proxy, session["session_id"])
+    turns = (await proxy.session_record(session["session_id"]))["turns"]
     assert [t["prompt_source"] for t in turns] == ["rendered", "continued"]
     assert turns[1]["choices"][0]["api_finish_reason"] == "completed"
-    [sample] = await samples_of(proxy, database_url, session["session_id"])
+    [sample] = await proxy.finished_samples(database_url, session["session_id"])
     assert sample.turns == [0, 1] and sample.divergence is None
 
 
@@ -155,7 +135,7 @@ async def test_the_session_header_form_and_the_key_never_reaches_the_engine(
         default_headers={"X-Session-Id": session["session_id"]},
     )  # fmt: skip
     await responses.responses.create(model="tiny", input="hi", max_output_tokens=4)
-    turns = await turns_of(proxy, session["session_id"])
+    turns = (await proxy.session_record(session["session_id"]))["turns"]
     assert [t["api"] for t in turns] == ["messages", "responses"]
     for headers in tool_engine.requests_headers:
         names = {name.lower() for name in headers}
@@ -193,11 +173,10 @@ async def test_errors_come_in_each_apis_shape_before_and_after_the_engine(
             model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
         )
     assert "fake engine fault" in engine.value.body["error"]["message"]  # type: ignore[index]
-    [turn] = await turns_of(proxy, session["session_id"])
+    [turn] = (await proxy.session_record(session["session_id"]))["turns"]
     assert turn["api"] == "messages" and turn["status"] == "failed"
     # A finished session takes no more calls: the 409 in Anthropic's shape too.
-    finish = f"{proxy.url}/sessions/{session['session_id']}/finish"
-    assert (await proxy.http.post(finish, json={"status": "completed"})).status_code == 200
+    assert (await proxy.finish(session["session_id"])).status_code == 200
     with pytest.raises(anthropic.ConflictError) as finished:
         await claude(session).messages.create(
             model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
@@ -229,7 +208,7 @@ async def test_a_stream_cut_by_the_engine_is_an_error_event_and_a_recorded_failu
     )
     kinds = [event.type async for event in stream]
     assert kinds[-1] == "response.failed"
-    turns = await turns_of(proxy, session["session_id"])
+    turns = (await proxy.session_record(session["session_id"]))["turns"]
     assert [t["status"] for t in turns] == ["failed", "failed"]
     assert all(t["failure"]["reason"] == "engine_error" for t in turns)
 
@@ -245,5 +224,5 @@ async def test_count_tokens_is_the_engines_count_of_the_prompt(
     await claude(session).messages.create(
         model="tiny", max_tokens=4, system="You add.", messages=messages, tools=CLAUDE_TOOLS
     )
-    [turn] = await turns_of(proxy, session["session_id"])
+    [turn] = (await proxy.session_record(session["session_id"]))["turns"]
     assert counted.input_tokens == len(turn["prompt_token_ids"]) > 0

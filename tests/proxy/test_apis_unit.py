@@ -198,117 +198,67 @@ def _lp(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
 
 
+def _chunk(
+    delta: dict[str, Any],
+    logprobs: list[dict[str, Any]] | None,
+    token_ids: list[int] | None = None,
+    *,
+    finish_reason: str | None = None,
+    **beside: Any,
+) -> dict[str, Any]:
+    """A chunk of one choice as vLLM streams it; `beside`: fields after `choices`."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": delta,
+        "logprobs": None if logprobs is None else {"content": logprobs},
+        "finish_reason": finish_reason,
+    }
+    if finish_reason is not None:
+        choice["stop_reason"] = None
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {**_ENVELOPE, "choices": [choice], **beside}
+
+
 STREAM_TEXT = "Let me add them."
 STREAM_ARGUMENTS = '{"a": 2, "b": 3}'
 STREAM_CALL_ID = "chatcmpl-tool-0d4e6f8a1b3c5d7e"
 STREAM_PROMPT = list(range(1000, 1042))
 STREAM_CHUNKS: list[dict[str, Any]] = [
-    {
-        **_ENVELOPE,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        ],
-        "prompt_token_ids": STREAM_PROMPT,
-    },
-    {
-        **_ENVELOPE,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"content": "Let"},
-                "logprobs": {"content": [_lp("Let", -0.5)]},
-                "finish_reason": None,
-                "token_ids": [10061],
-            }
-        ],
-    },
-    {
-        **_ENVELOPE,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"content": " me"},
-                "logprobs": {"content": [_lp(" me", -0.01)]},
-                "finish_reason": None,
-                "token_ids": [752],
-            }
-        ],
-    },
-    {
-        **_ENVELOPE,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"content": " add them."},
-                "logprobs": {"content": [_lp(" add", -0.2), _lp(" them.", -0.3)]},
-                "finish_reason": None,
-                "token_ids": [912, 1105],
-            }
-        ],
-    },
-    {
-        **_ENVELOPE,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {
-                    "tool_calls": [
-                        {
-                            "index": 0,
-                            "id": STREAM_CALL_ID,
-                            "type": "function",
-                            "function": {"name": "add", "arguments": ""},
-                        }
-                    ]
-                },
-                "logprobs": {"content": [_lp("<tool_call>", -0.02), _lp('{"name": "add"', -0.1)]},
-                "finish_reason": None,
-                "token_ids": [151657, 4913],
-            }
-        ],
-    },
-    {
-        **_ENVELOPE,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 2'}}]},
-                "logprobs": {"content": [_lp('{"a": 2', -0.04)]},
-                "finish_reason": None,
-                "token_ids": [5212],
-            }
-        ],
-    },
-    {
-        **_ENVELOPE,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ', "b": 3'}}]},
-                "logprobs": {"content": [_lp(', "b": 3', -0.05)]},
-                "finish_reason": None,
-                "token_ids": [11, 330],
-            }
-        ],
-    },
-    {
-        **_ENVELOPE,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]},
-                "logprobs": {"content": [_lp("}", -0.001), _lp("</tool_call>", -0.002)]},
-                "finish_reason": "tool_calls",
-                "stop_reason": None,
-                "token_ids": [92, 151658],
-            }
-        ],
-    },
+    _chunk({"role": "assistant", "content": ""}, None, prompt_token_ids=STREAM_PROMPT),
+    _chunk({"content": "Let"}, [_lp("Let", -0.5)], [10061]),
+    _chunk({"content": " me"}, [_lp(" me", -0.01)], [752]),
+    _chunk({"content": " add them."}, [_lp(" add", -0.2), _lp(" them.", -0.3)], [912, 1105]),
+    _chunk(
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": STREAM_CALL_ID,
+                    "type": "function",
+                    "function": {"name": "add", "arguments": ""},
+                }
+            ]
+        },
+        [_lp("<tool_call>", -0.02), _lp('{"name": "add"', -0.1)],
+        [151657, 4913],
+    ),
+    _chunk(
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 2'}}]},
+        [_lp('{"a": 2', -0.04)],
+        [5212],
+    ),
+    _chunk(
+        {"tool_calls": [{"index": 0, "function": {"arguments": ', "b": 3'}}]},
+        [_lp(', "b": 3', -0.05)],
+        [11, 330],
+    ),
+    _chunk(
+        {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]},
+        [_lp("}", -0.001), _lp("</tool_call>", -0.002)],
+        [92, 151658],
+        finish_reason="tool_calls",
+    ),
     {
         **_ENVELOPE,
         "choices": [],
@@ -366,31 +316,8 @@ CHAT_STREAMED_AS_ONE: dict[str, Any] = {
 
 # An empty answer: the model ended its turn at once.
 EMPTY_STREAM: list[dict[str, Any]] = [
-    {
-        **_ENVELOPE,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        ],
-        "prompt_token_ids": [1, 2, 3, 4, 5],
-    },
-    {
-        **_ENVELOPE,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"content": ""},
-                "logprobs": {"content": [_lp("", -0.7)]},
-                "finish_reason": "stop",
-                "stop_reason": None,
-                "token_ids": [151645],
-            }
-        ],
-    },
+    _chunk({"role": "assistant", "content": ""}, None, prompt_token_ids=[1, 2, 3, 4, 5]),
+    _chunk({"content": ""}, [_lp("", -0.7)], [151645], finish_reason="stop"),
     {
         **_ENVELOPE,
         "choices": [],

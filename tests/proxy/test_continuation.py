@@ -16,9 +16,6 @@ from tests.conftest import free_port
 from tests.proxy.fake_engine import EOS, NEWLINE, FakeEngine, chat_prompt_ids
 from tests.proxy.fixtures import ProxyFactory, RunningProxy, serve_proxy
 from trajstore.proxy.settings import ProxySettings
-from trajstore.store import EventStore
-from trajstore.store.samples import build_samples
-from trajstore.store.sessions import rebuild_session
 
 # The fake engine stops with eos after 4 tokens when max_tokens allows more.
 ASK: dict[str, Any] = {"model": "tiny", "max_tokens": 16, "extra_body": {"return_token_ids": True}}
@@ -28,13 +25,6 @@ ASK: dict[str, Any] = {"model": "tiny", "max_tokens": 16, "extra_body": {"return
 async def engine() -> Any:
     async with FakeEngine(completion_tokens=4) as fake:
         yield fake
-
-
-async def record(proxy: RunningProxy, session_id: str) -> dict[str, Any]:
-    response = await proxy.http.get(f"{proxy.url}/sessions/{session_id}")
-    assert response.status_code == 200, response.text
-    result: dict[str, Any] = response.json()
-    return result
 
 
 async def take_turn(
@@ -85,7 +75,7 @@ async def test_continued_turns_extend_the_sampled_ids_and_make_one_sample(
         if new is not None:
             messages += [reply, new]
 
-    recorded = await record(proxy, session["session_id"])
+    recorded = await proxy.session_record(session["session_id"])
     sources = [(t["prompt_source"], t["continuation"]) for t in recorded["turns"]]
     assert sources == [
         ("rendered", None),
@@ -96,14 +86,7 @@ async def test_continued_turns_extend_the_sampled_ids_and_make_one_sample(
     sent = [r.get("kv_transfer_params", {}).get("prompt_token_ids") for r in engine.requests]
     assert sent[1:] == [p for p, _ in turns[1:]]
 
-    assert (await proxy.http.post(f"{proxy.url}/sessions/{session['session_id']}/finish",
-                                  json={"status": "completed"})).status_code == 200  # fmt: skip
-    store = await EventStore.open(database_url)
-    try:
-        events = await store.read_session(session["session_id"])
-    finally:
-        await store.close()
-    [sample] = build_samples(rebuild_session(session["session_id"], events, packed=True))
+    [sample] = await proxy.finished_samples(database_url, session["session_id"])
     assert sample.divergence is None and len(sample.turns) == 3
     assert sample.token_ids == turns[2][0] + turns[2][1]
 
@@ -147,7 +130,7 @@ async def test_what_is_not_a_continuation_is_rendered_from_the_messages(
     messages.append({"role": "user", "content": "and 4?"})
     _, prompt, _ = await take_turn(agent, messages, **extra)
 
-    turn = (await record(proxy, session["session_id"]))["turns"][1]
+    turn = (await proxy.session_record(session["session_id"]))["turns"][1]
     assert (turn["prompt_source"], turn["continuation"]) == ("rendered", {"fallback": fallback})
     assert "kv_transfer_params" not in engine.requests[-1]
     assert prompt == chat_prompt_ids(messages)  # the engine's own rendering, as before
@@ -163,7 +146,7 @@ async def test_a_reply_sent_back_as_clients_reserialise_it_still_continues(
     # As some clients send text back: in content parts, with nulls they were given left out.
     sent = {"role": "assistant", "content": [{"type": "text", "text": reply["content"]}]}
     await take_turn(agent, [*messages, sent, {"role": "user", "content": "more"}])
-    turn = (await record(proxy, session["session_id"]))["turns"][1]
+    turn = (await proxy.session_record(session["session_id"]))["turns"][1]
     assert turn["prompt_source"] == "continued"
 
 
@@ -178,7 +161,7 @@ async def test_n_choices_the_one_sent_back_is_continued(
     assert first.message.content != second.message.content
     reply = {"role": "assistant", "content": second.message.content}
     _, prompt, _ = await take_turn(agent, [*messages, reply, {"role": "user", "content": "ok"}])
-    turn = (await record(proxy, session["session_id"]))["turns"][1]
+    turn = (await proxy.session_record(session["session_id"]))["turns"][1]
     assert turn["continuation"] == {"choice": 1, "drift_at": None}
     base = answer.model_extra["prompt_token_ids"] + second.model_extra["token_ids"]
     assert prompt[: len(base)] == base
@@ -195,19 +178,12 @@ async def test_a_turn_cut_by_length_is_continued_after_the_templates_end_of_turn
     _, next_prompt, _ = await take_turn(
         agent, [*messages, reply, {"role": "user", "content": "go on"}]
     )
-    turn = (await record(proxy, session["session_id"]))["turns"][1]
+    turn = (await proxy.session_record(session["session_id"]))["turns"][1]
     assert turn["continuation"] == {"choice": 0, "drift_at": None}
     # The sampled ids, then the end of turn the template gives a reply, never sampled.
     cut = len(prompt) + len(completion)
     assert next_prompt[: cut + 2] == [*prompt, *completion, EOS, NEWLINE]
-    finish = f"{proxy.url}/sessions/{session['session_id']}/finish"
-    assert (await proxy.http.post(finish, json={"status": "completed"})).status_code == 200
-    store = await EventStore.open(database_url)
-    try:
-        events = await store.read_session(session["session_id"])
-    finally:
-        await store.close()
-    [sample] = build_samples(rebuild_session(session["session_id"], events, packed=True))
+    [sample] = await proxy.finished_samples(database_url, session["session_id"])
     assert sample.loss_mask[cut - 3 : cut + 2] == [1, 1, 1, 0, 0]  # the end of turn: not learnt
 
 
@@ -223,7 +199,7 @@ async def test_a_restarted_replica_continues_from_the_log(
         session["base_url"] = session["base_url"].replace(before.url, now.url)
         messages += [reply, {"role": "tool", "tool_call_id": "c", "content": "5"}]
         _, next_prompt, _ = await take_turn(now.agent(session), messages)
-        turn = (await record(now, session["session_id"]))["turns"][1]
+        turn = (await now.session_record(session["session_id"]))["turns"][1]
     assert turn["prompt_source"] == "continued"
     assert next_prompt[: len(prompt) + len(completion)] == prompt + completion
 
@@ -241,7 +217,7 @@ async def test_an_engine_that_ignores_token_prompts_is_noticed(
         for _ in range(3):
             reply, _, _ = await take_turn(agent, messages)
             messages += [reply, {"role": "user", "content": "and?"}]
-        turns = (await record(proxy, session["session_id"]))["turns"]
+        turns = (await proxy.session_record(session["session_id"]))["turns"]
         engines = (await proxy.http.get(f"{proxy.url}/admin/engines")).json()
     # Sent as ids, rendered by the engine anyway: recorded as rendered, and not tried again.
     assert [t["continuation"] for t in turns[1:]] == [
@@ -262,15 +238,8 @@ async def test_drift_a_template_would_have_caused_is_avoided_and_recorded(
             messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
             reply, first_prompt, _ = await take_turn(agent, messages)
             await take_turn(agent, [*messages, reply, {"role": "user", "content": "and?"}])
-            turn = (await record(proxy, session["session_id"]))["turns"][1]
-            finish = f"{proxy.url}/sessions/{session['session_id']}/finish"
-            assert (await proxy.http.post(finish, json={"status": "completed"})).status_code == 200
-            store = await EventStore.open(database_url)
-            try:
-                events = await store.read_session(session["session_id"])
-            finally:
-                await store.close()
-            samples = build_samples(rebuild_session(session["session_id"], events, packed=True))
+            turn = (await proxy.session_record(session["session_id"]))["turns"][1]
+            samples = await proxy.finished_samples(database_url, session["session_id"])
             if mode == "tokens":
                 # Rendered from text, the reply would differ right after the first prompt.
                 assert turn["continuation"] == {"choice": 0, "drift_at": len(first_prompt)}
@@ -291,6 +260,6 @@ async def test_continuation_text_leaves_every_prompt_to_the_engine(
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
     reply, _, _ = await take_turn(agent, messages)
     await take_turn(agent, [*messages, reply, {"role": "user", "content": "and?"}])
-    turns = (await record(proxy, session["session_id"]))["turns"]
+    turns = (await proxy.session_record(session["session_id"]))["turns"]
     assert [t["prompt_source"] for t in turns] == ["rendered", "rendered"]
     assert engine.tokenized == [] and "kv_transfer_params" not in engine.requests[1]

@@ -71,20 +71,25 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
         yield client
 
 
+@contextlib.asynccontextmanager
 async def started_pool(
     servers: list[FakeEngine],
     session: aiohttp.ClientSession,
     *,
     health_interval: float = 5.0,
     health_timeout: float = 2.0,
-) -> EnginePool:
+) -> AsyncIterator[EnginePool]:
+    """A pool over `servers`, started (first health checks done) and closed after the block."""
     pool = EnginePool(
         [fake.url for fake in servers],
         health_interval=health_interval,
         health_timeout=health_timeout,
     )
     await pool.start(session)
-    return pool
+    try:
+        yield pool
+    finally:
+        await pool.close()
 
 
 def others(pool: EnginePool, engine: Engine) -> list[Engine]:
@@ -208,20 +213,16 @@ async def test_start_checks_every_engine(
     servers: list[FakeEngine], session: aiohttp.ClientSession
 ) -> None:
     servers[2].status = 503
-    pool = await started_pool(servers, session)
-    try:
+    async with started_pool(servers, session) as pool:
         assert [e.healthy for e in pool.engines] == [True, True, False]
         assert all(e.last_checked is not None for e in pool.engines)
         assert pool.engines[2].last_error is not None and "503" in pool.engines[2].last_error
-    finally:
-        await pool.close()
 
 
 async def test_unhealthy_preferred_engine_falls_back_to_least_loaded(
     servers: list[FakeEngine], session: aiohttp.ClientSession
 ) -> None:
-    pool = await started_pool(servers, session)
-    try:
+    async with started_pool(servers, session) as pool:
         key = KEYS[0]
         preferred = pool.preferred(key)
         assert pool.choose(key) is preferred
@@ -233,15 +234,12 @@ async def test_unhealthy_preferred_engine_falls_back_to_least_loaded(
             assert pool.choose(key) is idle
         assert pool.choose(key) is busy  # equal load again: first in order
         assert pool.preferred(key) is preferred  # the hash does not care about health
-    finally:
-        await pool.close()
 
 
 async def test_no_healthy_engine_when_all_are_down(
     servers: list[FakeEngine], session: aiohttp.ClientSession
 ) -> None:
-    pool = await started_pool(servers, session, health_timeout=0.2)
-    try:
+    async with started_pool(servers, session, health_timeout=0.2) as pool:
         servers[0].status = 500
         servers[1].delay = 0.5  # slower than the health timeout
         await servers[2].stop()  # connection refused
@@ -252,30 +250,25 @@ async def test_no_healthy_engine_when_all_are_down(
         assert "failed" in errors[2]
         with pytest.raises(NoHealthyEngine, match="No engine is healthy"):
             pool.choose(KEYS[0])
-    finally:
-        await pool.close()
 
 
 async def test_engine_recovers_through_background_checks(
     servers: list[FakeEngine], session: aiohttp.ClientSession
 ) -> None:
     servers[0].status = 503
-    pool = await started_pool(servers, session, health_interval=0.05)
-    engine = pool.engines[0]
-    try:
+    async with started_pool(servers, session, health_interval=0.05) as pool:
+        engine = pool.engines[0]
         assert not engine.healthy
         servers[0].status = 200
         await eventually(lambda: engine.healthy, timeout=2.0)
         assert engine.last_error is None
-    finally:
-        await pool.close()
 
 
 async def test_close_stops_background_checks(
     servers: list[FakeEngine], session: aiohttp.ClientSession
 ) -> None:
-    pool = await started_pool(servers, session, health_interval=0.05)
-    await pool.close()
+    async with started_pool(servers, session, health_interval=0.05) as pool:
+        await pool.close()
     servers[0].status = 503
     await asyncio.sleep(0.2)
     assert pool.engines[0].healthy
@@ -285,8 +278,7 @@ async def test_close_stops_background_checks(
 async def test_mark_failed_holds_until_next_successful_check(
     servers: list[FakeEngine], session: aiohttp.ClientSession
 ) -> None:
-    pool = await started_pool(servers, session)
-    try:
+    async with started_pool(servers, session) as pool:
         key = KEYS[0]
         preferred = pool.preferred(key)
         pool.mark_failed(preferred, "connection refused")
@@ -295,16 +287,13 @@ async def test_mark_failed_holds_until_next_successful_check(
         assert pool.choose(key) is not preferred
         assert await pool.check(preferred) is True
         assert pool.choose(key) is preferred
-    finally:
-        await pool.close()
 
 
 async def test_health_changes_are_logged_once(
     servers: list[FakeEngine], session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pool = await started_pool(servers, session)
-    engine = pool.engines[0]
-    try:
+    async with started_pool(servers, session) as pool:
+        engine = pool.engines[0]
         caplog.set_level(logging.INFO, logger="trajstore.proxy.engines")
         servers[0].status = 503
         for _ in range(3):
@@ -315,8 +304,6 @@ async def test_health_changes_are_logged_once(
         messages = [r.getMessage() for r in caplog.records if r.name == "trajstore.proxy.engines"]
         assert len(messages) == 2, messages
         assert "unhealthy" in messages[0] and "healthy again" in messages[1]
-    finally:
-        await pool.close()
 
 
 def test_an_acquired_engine_is_released_once_however_often_release_is_called() -> None:

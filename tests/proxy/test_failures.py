@@ -29,17 +29,26 @@ async def settle(proxy: RunningProxy) -> None:
     await state.registry.writer.flush()
 
 
+async def failed_call(
+    proxy: RunningProxy, events_of: Any, fault: str
+) -> tuple[int, dict[str, Any]]:
+    """A chat call the fake engine fails with `fault`: the status the agent got, and the failure
+    the proxy recorded for it."""
+    session = await proxy.new_session()
+    with pytest.raises(openai.APIStatusError) as caught:
+        await proxy.agent(session).chat.completions.create(
+            **CHAT, extra_headers={"X-Fake-Fault": fault}
+        )
+    await settle(proxy)
+    [failure] = await failures(events_of, session["session_id"])
+    return caught.value.status_code, failure
+
+
 async def test_engine_refusal_is_passed_on_and_recorded(
     proxy: RunningProxy, events_of: Any
 ) -> None:
-    session = await proxy.new_session()
-    with pytest.raises(openai.BadRequestError) as caught:
-        await proxy.agent(session).chat.completions.create(
-            **CHAT, extra_headers={"X-Fake-Fault": "error-400"}
-        )
-    assert caught.value.status_code == 400
-    await settle(proxy)
-    [failure] = await failures(events_of, session["session_id"])
+    status, failure = await failed_call(proxy, events_of, "error-400")
+    assert status == 400
     assert failure["reason"] == "engine_error" and failure["status"] == 400
 
 
@@ -60,14 +69,8 @@ async def test_engine_timeout_is_recorded_as_failed(
 ) -> None:
     engine.delay = 5.0
     proxy = await start_proxy([engine.url], request_timeout=0.3)
-    session = await proxy.new_session()
-    with pytest.raises(openai.APIStatusError) as caught:
-        await proxy.agent(session).chat.completions.create(
-            **CHAT, extra_headers={"X-Fake-Fault": "slow"}
-        )
-    assert caught.value.status_code == 504
-    await settle(proxy)
-    [failure] = await failures(events_of, session["session_id"])
+    status, failure = await failed_call(proxy, events_of, "slow")
+    assert status == 504
     assert failure["reason"] == "engine_timeout"
 
 

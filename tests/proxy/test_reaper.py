@@ -92,18 +92,11 @@ async def stream_then_kill(
 async def settled_turn(proxy: RunningProxy, session_id: str) -> dict[str, Any]:
     """The session's one turn, once it is no longer in progress (10 s at most)."""
     for _ in range(100):
-        [turn] = (await session_record(proxy, session_id))["turns"]
+        [turn] = (await proxy.session_record(session_id))["turns"]
         if turn["status"] != "in_progress":
             break
         await asyncio.sleep(0.1)
     return turn
-
-
-async def session_record(proxy: RunningProxy, session_id: str) -> dict[str, Any]:
-    response = await proxy.http.get(f"{proxy.url}/sessions/{session_id}")
-    assert response.status_code == 200, response.text
-    record: dict[str, Any] = response.json()
-    return record
 
 
 async def test_a_replica_killed_mid_stream_leaves_a_failed_turn_not_an_open_one(
@@ -124,7 +117,7 @@ async def test_a_replica_killed_mid_stream_leaves_a_failed_turn_not_an_open_one(
     await a.agent(session).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "again"}], max_tokens=4
     )
-    finished = await a.http.post(f"{a.url}/sessions/{sid}/finish", json={"status": "completed"})
+    finished = await a.finish(sid)
     assert finished.status_code == 200
 
 
@@ -136,7 +129,7 @@ async def test_a_cut_turn_is_recorded_even_when_its_session_was_finished_at_once
     sid = session["session_id"]
     await stream_then_kill(*replica, session, after_tokens=1)
     # The orchestrator gives up at once, long before the replica counts as lost.
-    finished = await a.http.post(f"{a.url}/sessions/{sid}/finish", json={"status": "error"})
+    finished = await a.finish(sid, "error")
     assert finished.status_code == 200
     turn = await settled_turn(a, sid)
     assert turn["status"] == "failed"
@@ -153,7 +146,7 @@ async def test_requests_of_live_replicas_are_left_alone_however_slow(
         extra_headers={"X-Fake-Fault": "slow"},
     )  # fmt: skip
     assert answer.choices[0].finish_reason == "length"
-    [turn] = (await session_record(proxy, session["session_id"]))["turns"]
+    [turn] = (await proxy.session_record(session["session_id"]))["turns"]
     assert turn["status"] == "completed"
 
 
@@ -166,14 +159,14 @@ async def test_a_session_nobody_finishes_is_finished_as_timeout(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
     )
     # `busy` keeps calling the model meanwhile (0.2 s a call): activity keeps a session open.
-    record = await session_record(proxy, idle["session_id"])
+    record = await proxy.session_record(idle["session_id"])
     for _ in range(50):
         if record["status"] != "active":
             break
         await proxy.agent(busy).chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
-        record = await session_record(proxy, idle["session_id"])
+        record = await proxy.session_record(idle["session_id"])
     assert record["status"] == "timeout"
     assert "no activity" in record["finish_reason"]
-    assert (await session_record(proxy, busy["session_id"]))["status"] == "active"
+    assert (await proxy.session_record(busy["session_id"]))["status"] == "active"

@@ -36,16 +36,8 @@ async def direct(engine: FakeEngine, path: str, body: dict[str, Any]) -> httpx.R
 
 
 async def finish(proxy: RunningProxy, session: dict[str, Any]) -> None:
-    url = f"{proxy.url}/sessions/{session['session_id']}/finish"
-    response = await proxy.http.post(url, json={"status": "completed"})
+    response = await proxy.finish(session["session_id"])
     assert response.status_code == 200, response.text
-
-
-async def recorded(proxy: RunningProxy, session_id: str) -> dict[str, Any]:
-    response = await proxy.http.get(f"{proxy.url}/sessions/{session_id}")
-    assert response.status_code == 200, response.text
-    record: dict[str, Any] = response.json()
-    return record
 
 
 @pytest.mark.parametrize(
@@ -68,7 +60,7 @@ async def test_agent_gets_exactly_the_engines_answer_and_the_store_keeps_the_tok
     sent = engine.requests[0]
     assert sent["return_token_ids"] is True and sent["logprobs"] is True
 
-    record = await recorded(proxy, session["session_id"])
+    record = await proxy.session_record(session["session_id"])
     [turn] = record["turns"]
     full = (await direct(engine, "chat/completions", {**CHAT, "return_token_ids": True,
                                                       "logprobs": True})).json()  # fmt: skip
@@ -131,7 +123,7 @@ async def test_completions_with_a_token_id_prompt(proxy: RunningProxy, engine: F
     agent = proxy.agent(session)
     answer = await agent.completions.create(model="tiny", prompt=[1, 7, 9, 11], max_tokens=5)
     assert answer.choices[0].logprobs is None
-    record = await recorded(proxy, session["session_id"])
+    record = await proxy.session_record(session["session_id"])
     [turn] = record["turns"]
     assert turn["api"] == "completions"
     assert turn["prompt_token_ids"] == [1, 7, 9, 11]
@@ -145,7 +137,7 @@ async def test_every_choice_of_n_is_recorded(proxy: RunningProxy) -> None:
     agent = proxy.agent(session)
     answer = await agent.chat.completions.create(**CHAT, n=2)
     assert len(answer.choices) == 2
-    record = await recorded(proxy, session["session_id"])
+    record = await proxy.session_record(session["session_id"])
     choices = record["turns"][0]["choices"]
     assert [c["index"] for c in choices] == [0, 1]
     assert all(len(c["token_ids"]) == 8 for c in choices)
@@ -179,7 +171,7 @@ async def test_multi_turn_session_with_tools_is_rebuilt_turn_by_turn(proxy: Runn
     await agent.chat.completions.create(model="tiny", messages=messages, tools=tools,
                                         max_tokens=6, stream=False)  # type: ignore[arg-type]  # fmt: skip
     await finish(proxy, session)
-    record = await recorded(proxy, session["session_id"])
+    record = await proxy.session_record(session["session_id"])
     assert record["status"] == "completed"
     assert (record["task_id"], record["group_id"], record["metadata"]) == ("add", "g1", {"k": "v"})
     assert len(record["turns"]) == 2
@@ -202,7 +194,7 @@ async def test_session_header_route_for_agents_that_cannot_change_the_path(
                  "Authorization": f"Bearer {session['api_key']}"},
     )  # fmt: skip
     assert response.status_code == 200
-    record = await recorded(proxy, session["session_id"])
+    record = await proxy.session_record(session["session_id"])
     assert len(record["turns"]) == 1
 
 
@@ -264,7 +256,7 @@ async def test_a_turn_that_continues_the_last_is_stored_as_its_new_tokens_and_me
 
     events = await events_of(session["session_id"])
     stored = [e for e in events if e.type == EventType.PROMPT_TOKENS]
-    rebuilt = (await recorded(proxy, session["session_id"]))["turns"]
+    rebuilt = (await proxy.session_record(session["session_id"]))["turns"]
     whole = [t["prompt_token_ids"] for t in rebuilt]
     # What the agent's requests tokenise to, as the engine saw them.
     expected = [chat_prompt_ids(m) for m in engine_messages(messages)]

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
+import pytest
 from openai import AsyncOpenAI
 
 from tests.conftest import free_port
@@ -45,14 +46,28 @@ async def converse(agents: list[AsyncOpenAI], turns: int) -> list[dict[str, Any]
     return messages
 
 
-async def finish(proxy: RunningProxy, session_id: str) -> Any:
-    return await proxy.http.post(
-        f"{proxy.url}/sessions/{session_id}/finish", json={"status": "completed"}
-    )
-
-
 def in_log_order(events: list[Any]) -> list[Any]:
     return sorted(events, key=lambda e: (e.tx_id, e.position))
+
+
+@pytest.fixture
+async def lingering(
+    start_proxy: ProxyFactory, engine: FakeEngine
+) -> tuple[RunningProxy, RunningProxy]:
+    """Two replicas of one proxy; the second lingers 5 s over a batch before it writes it."""
+    prompt = await start_proxy([engine.url], session_secret="shared")
+    late = await start_proxy([engine.url], session_secret="shared", writer_linger=5)
+    return prompt, late
+
+
+async def projected_samples(database_url: str, columns: str) -> list[Any]:
+    """Run the projector once over the log; `columns` of every sample it built."""
+    store = await EventStore.open(database_url)
+    try:
+        await Projector(store).run_once()
+        return await store.pool.fetch(f"SELECT {columns} FROM samples")
+    finally:
+        await store.close()
 
 
 async def test_turns_alternating_between_replicas_reference_what_each_replica_saw(
@@ -64,9 +79,9 @@ async def test_turns_alternating_between_replicas_reference_what_each_replica_sa
     b = await start_proxy([engine.url], session_secret="shared")
     session = await a.new_session()
     messages = await converse([a.agent(session), agent_on(b, session, a)], 4)
-    assert (await finish(a, session["session_id"])).status_code == 200
+    assert (await a.finish(session["session_id"])).status_code == 200
 
-    record = (await a.http.get(f"{a.url}/sessions/{session['session_id']}")).json()
+    record = await a.session_record(session["session_id"])
     turns = record["turns"]
     assert [(len(t["messages"]) - 1) // 2 for t in turns] == [0, 1, 2, 3]  # request order
     for n, turn in enumerate(turns):
@@ -82,35 +97,28 @@ async def test_turns_alternating_between_replicas_reference_what_each_replica_sa
 
 
 async def test_finish_on_one_replica_waits_for_the_turns_another_replica_still_holds(
-    start_proxy: ProxyFactory, engine: FakeEngine, events_of: EventsOf, database_url: str
+    lingering: tuple[RunningProxy, RunningProxy], events_of: EventsOf, database_url: str
 ) -> None:
-    a = await start_proxy([engine.url], session_secret="shared")
     # b lingers 5 s over a batch: its turns are not in the log when the agent finishes on a.
-    b = await start_proxy([engine.url], session_secret="shared", writer_linger=5)
+    a, b = lingering
     session = await a.new_session()
     sid = session["session_id"]
     await converse([a.agent(session), agent_on(b, session, a)], 4)
-    assert (await finish(a, sid)).status_code == 200
+    assert (await a.finish(sid)).status_code == 200
 
     # finish answered: every turn, b's included, is in the log before session_finished.
     events = in_log_order(await events_of(sid))
     assert events[-1].type == EventType.SESSION_FINISHED
     assert sum(e.type == EventType.COMPLETION_FINISHED for e in events) == 4
     # So the projector, which builds a session when it finishes, sees all four turns.
-    store = await EventStore.open(database_url)
-    try:
-        await Projector(store).run_once()
-        rows = await store.pool.fetch("SELECT n_turns, divergence FROM samples")
-    finally:
-        await store.close()
+    rows = await projected_samples(database_url, "n_turns, divergence")
     assert [(r["n_turns"], r["divergence"]) for r in rows] == [(4, None)]
 
 
 async def test_turns_a_slower_replica_commits_later_are_still_one_sample_in_request_order(
-    start_proxy: ProxyFactory, engine: FakeEngine, events_of: EventsOf, database_url: str
+    lingering: tuple[RunningProxy, RunningProxy], events_of: EventsOf, database_url: str
 ) -> None:
-    slow = await start_proxy([engine.url], session_secret="shared", writer_linger=5)
-    fast = await start_proxy([engine.url], session_secret="shared")
+    fast, slow = lingering
     session = await fast.new_session()
     sid = session["session_id"]
     messages = await converse([agent_on(slow, session, fast), fast.agent(session)], 2)
@@ -118,28 +126,22 @@ async def test_turns_a_slower_replica_commits_later_are_still_one_sample_in_requ
         if any(e.type == EventType.COMPLETION_FINISHED for e in await events_of(sid)):
             break
         await asyncio.sleep(0.02)
-    assert (await finish(fast, sid)).status_code == 200
+    assert (await fast.finish(sid)).status_code == 200
 
     received = [e for e in in_log_order(await events_of(sid)) if e.type == "request_received"]
     assert [len(e.payload["body"]["messages"]) for e in received] == [3, 1]  # committed 1, 0
-    record = (await fast.http.get(f"{fast.url}/sessions/{sid}")).json()
+    record = await fast.session_record(sid)
     assert [len(t["messages"]) for t in record["turns"]] == [1, 3]  # shown in request order
-    store = await EventStore.open(database_url)
-    try:
-        await Projector(store).run_once()
-        [row] = await store.pool.fetch("SELECT token_ids, n_turns, divergence FROM samples")
-    finally:
-        await store.close()
+    [row] = await projected_samples(database_url, "token_ids, n_turns, divergence")
     assert (row["n_turns"], row["divergence"]) == (2, None)
     tokens = np.frombuffer(row["token_ids"], "<i4").tolist()
     assert tokens[: len(chat_prompt_ids(messages[:3]))] == chat_prompt_ids(messages[:3])
 
 
 async def test_a_replica_whose_listen_connection_dropped_is_still_waited_for(
-    start_proxy: ProxyFactory, engine: FakeEngine, events_of: EventsOf, database_url: str
+    lingering: tuple[RunningProxy, RunningProxy], events_of: EventsOf, database_url: str
 ) -> None:
-    a = await start_proxy([engine.url], session_secret="shared")
-    b = await start_proxy([engine.url], session_secret="shared", writer_linger=5)
+    a, b = lingering
     session = await a.new_session()
     sid = session["session_id"]
     await converse([a.agent(session), agent_on(b, session, a)], 2)
@@ -155,7 +157,7 @@ async def test_a_replica_whose_listen_connection_dropped_is_still_waited_for(
     finally:
         await conn.close()
     assert dropped == 1
-    assert (await finish(a, sid)).status_code == 200
+    assert (await a.finish(sid)).status_code == 200
     events = in_log_order(await events_of(sid))
     assert events[-1].type == EventType.SESSION_FINISHED
     assert sum(e.type == EventType.COMPLETION_FINISHED for e in events) == 2
@@ -171,16 +173,16 @@ async def test_a_replica_that_does_not_confirm_fails_the_finish_with_503_until_i
     # A replica that is connected (so it may hold the session's events) but never answers.
     silent = await connect(database_url, application_name="trajstore-proxy:silent:listener")
     try:
-        refused = await finish(proxy, sid)
+        refused = await proxy.finish(sid)
         assert refused.status_code == 503
         assert refused.headers["Retry-After"] == "1"
         message = refused.json()["error"]["message"]
         assert "replica(s) silent did not confirm within 1s" in message and "retry" in message
-        record = (await proxy.http.get(f"{proxy.url}/sessions/{sid}")).json()
+        record = await proxy.session_record(sid)
         assert record["status"] == "active"  # not finished: nothing was decided without it
     finally:
         await silent.close()
-    assert (await finish(proxy, sid)).status_code == 200  # it left: nothing to wait for
+    assert (await proxy.finish(sid)).status_code == 200  # it left: nothing to wait for
 
 
 async def test_a_replica_that_stopped_is_not_waited_for(
@@ -192,7 +194,7 @@ async def test_a_replica_that_stopped_is_not_waited_for(
     async with serve_proxy(settings, database_url) as b:
         await converse([a.agent(session), agent_on(b, session, a)], 2)
     # b stopped (storing what it held first); a finish does not wait the 5 s for it.
-    finished = await finish(a, session["session_id"])
+    finished = await a.finish(session["session_id"])
     assert finished.status_code == 200, finished.text
     events = await events_of(session["session_id"])
     assert sum(e.type == EventType.COMPLETION_FINISHED for e in events) == 2

@@ -9,14 +9,8 @@ from typing import Any
 
 import orjson
 
-from trajstore.store import (
-    EventStore,
-    EventType,
-    NewEvent,
-    migrations,
-    request_stream,
-    session_stream,
-)
+from tests.support import RecordedSession
+from trajstore.store import EventStore, migrations
 from trajstore.store.export import export
 from trajstore.store.projection import Projector
 from trajstore.store.sessions import rebuild_session
@@ -32,10 +26,8 @@ def said(n: int) -> list[dict[str, Any]]:
 async def record(store: EventStore, turns: list[tuple[list[Any], dict[str, Any] | None]]) -> None:
     """A session of chat turns r0, r1, ...: each (stored messages, messages_prefix or None)."""
 
-    def event(kind: EventType, payload: dict[str, Any], **arrays: Any) -> NewEvent:
-        return NewEvent(kind, session_id="s1", run_id="run-1", payload=payload, **arrays)
-
-    await store.append(session_stream("s1"), [event(EventType.SESSION_CREATED, {})])
+    recorded = RecordedSession(store)
+    await recorded.created()
     context: list[int] = []  # the tokens so far: a turn with a reference extends them
     for n, (messages, prefix) in enumerate(turns):
         prompt = [*(context if prefix is not None else [1]), 10 + n]
@@ -44,25 +36,12 @@ async def record(store: EventStore, turns: list[tuple[list[Any], dict[str, Any] 
         received["body"] = {"model": "m", "messages": messages, "tool_choice": "auto"}
         if prefix is not None:
             received["messages_prefix"] = prefix
-        await store.append(
-            request_stream(f"r{n}"),
-            [
-                event(EventType.REQUEST_RECEIVED, received),
-                event(EventType.PROMPT_TOKENS, {"choice": None}, token_ids=prompt),
-                event(EventType.COMPLETION_CHUNK, {"choice": 0}, token_ids=[20], logprobs=[-1.0]),
-                event(
-                    EventType.COMPLETION_FINISHED,
-                    {"choices": [{"index": 0, "finish_reason": "stop", "message": said(n)[0]}]},
-                ),
-            ],
+        message = said(n)[0]
+        finished = {"choices": [{"index": 0, "finish_reason": "stop", "message": message}]}
+        await recorded.turn(
+            received, prompt, [20], chunk={"choice": 0}, logprob=-1.0, finished=finished
         )
-    await store.append(
-        session_stream("s1"),
-        [
-            event(EventType.REWARD_ASSIGNED, {"value": 1.0}),
-            event(EventType.SESSION_FINISHED, {"status": "completed"}),
-        ],
-    )
+    await recorded.finished()
 
 
 def ref(n: int, count: int) -> dict[str, Any]:

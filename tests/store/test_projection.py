@@ -6,20 +6,13 @@ import asyncio
 import os
 import subprocess
 import sys
-from typing import Any
 
 import asyncpg
 import numpy as np
 import pytest
 
-from trajstore.store import (
-    EventStore,
-    EventType,
-    NewEvent,
-    StoreUnavailable,
-    request_stream,
-    session_stream,
-)
+from tests.support import RecordedSession
+from trajstore.store import EventStore, EventType, NewEvent, StoreUnavailable, session_stream
 from trajstore.store.projection import Projector
 from trajstore.store.sessions import rebuild_session
 
@@ -39,40 +32,17 @@ async def record_session(
     replicas' writers may commit them).
     """
 
-    def event(kind: EventType, payload: dict[str, Any], **arrays: Any) -> NewEvent:
-        return NewEvent(kind, session_id=session_id, run_id="run-1", payload=payload, **arrays)
-
-    created = event(EventType.SESSION_CREATED, {"task_id": "t", "group_id": "g"})
-    await store.append(session_stream(session_id), [created])
+    recorded = RecordedSession(store, session_id)
+    await recorded.created(task_id="t", group_id="g")
     for n in commit_order or range(len(turns)):
         prompt, completion = turns[n]
-        request_id = f"{session_id}-{n}"
-        received = {"request_id": request_id, "body": {}, "received_at": 1_800_000_000.0 + n}
-        await store.append(
-            request_stream(request_id),
-            [
-                event(EventType.REQUEST_RECEIVED, received),
-                event(EventType.PROMPT_TOKENS, {"choice": None}, token_ids=prompt),
-                event(
-                    EventType.COMPLETION_CHUNK,
-                    {"choice": 0, "text": ""},
-                    token_ids=completion,
-                    logprobs=[-0.25] * len(completion),
-                ),
-                event(
-                    EventType.COMPLETION_FINISHED,
-                    {"choices": [{"index": 0, "finish_reason": "stop"}]},
-                ),
-            ],
-        )
-    if reward is not None:
-        await store.append(
-            session_stream(session_id), [event(EventType.REWARD_ASSIGNED, {"value": reward})]
-        )
-    if finish is not None:
-        await store.append(
-            session_stream(session_id), [event(EventType.SESSION_FINISHED, {"status": finish})]
-        )
+        received = {
+            "request_id": f"{session_id}-{n}",
+            "body": {},
+            "received_at": 1_800_000_000.0 + n,
+        }
+        await recorded.turn(received, prompt, completion, logprob=-0.25)
+    await recorded.finished(reward, finish)
 
 
 async def samples_of(store: EventStore) -> list[asyncpg.Record]:

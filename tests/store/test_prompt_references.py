@@ -9,14 +9,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from trajstore.store import (
-    EventStore,
-    EventType,
-    NewEvent,
-    migrations,
-    request_stream,
-    session_stream,
-)
+from tests.support import RecordedSession
+from trajstore.store import EventStore, migrations
 from trajstore.store.projection import Projector
 from trajstore.store.sessions import rebuild_session
 
@@ -33,35 +27,12 @@ def referencing(request: int, shared: int, new: list[int], total: int) -> Turn:
 
 
 async def record(store: EventStore, turns: list[tuple[Turn, list[int]]]) -> None:
-    def event(kind: EventType, payload: dict[str, Any], **arrays: Any) -> NewEvent:
-        return NewEvent(kind, session_id="s1", run_id="run-1", payload=payload, **arrays)
-
-    await store.append(session_stream("s1"), [event(EventType.SESSION_CREATED, {})])
+    recorded = RecordedSession(store)
+    await recorded.created()
     for n, ((prompt, payload, _), completion) in enumerate(turns):
-        await store.append(
-            request_stream(f"r{n}"),
-            [
-                event(EventType.REQUEST_RECEIVED, {"request_id": f"r{n}", "body": {}}),
-                event(EventType.PROMPT_TOKENS, payload, token_ids=prompt),
-                event(
-                    EventType.COMPLETION_CHUNK,
-                    {"choice": 0, "text": ""},
-                    token_ids=completion,
-                    logprobs=[-0.5] * len(completion),
-                ),
-                event(
-                    EventType.COMPLETION_FINISHED,
-                    {"choices": [{"index": 0, "finish_reason": "stop"}]},
-                ),
-            ],
-        )
-    await store.append(
-        session_stream("s1"),
-        [
-            event(EventType.REWARD_ASSIGNED, {"value": 1.0}),
-            event(EventType.SESSION_FINISHED, {"status": "completed"}),
-        ],
-    )
+        received = {"request_id": f"r{n}", "body": {}}
+        await recorded.turn(received, prompt, completion, prompt=payload)
+    await recorded.finished()
 
 
 async def test_a_referencing_prompt_is_rebuilt_whole_through_a_chain(store: EventStore) -> None:

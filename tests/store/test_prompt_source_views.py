@@ -6,14 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from trajstore.store import (
-    EventStore,
-    EventType,
-    NewEvent,
-    migrations,
-    request_stream,
-    session_stream,
-)
+from tests.support import RecordedSession
+from trajstore.store import EventStore, migrations
 
 PROMPTS: list[dict[str, Any]] = [
     {"prompt_source": "rendered"},
@@ -24,20 +18,11 @@ PROMPTS: list[dict[str, Any]] = [
 
 
 async def record(store: EventStore) -> None:
-    def event(kind: EventType, payload: dict[str, Any], **arrays: Any) -> NewEvent:
-        return NewEvent(kind, session_id="s1", run_id="run-1", payload=payload, **arrays)
-
-    await store.append(session_stream("s1"), [event(EventType.SESSION_CREATED, {})])
+    recorded = RecordedSession(store)
+    await recorded.created()
     for n, prompt in enumerate(PROMPTS):
         received = {"request_id": f"r{n}", "api": "chat", "body": {"messages": []}}
-        await store.append(
-            request_stream(f"r{n}"),
-            [
-                event(EventType.REQUEST_RECEIVED, received),
-                event(EventType.PROMPT_TOKENS, {"choice": None, **prompt}, token_ids=[1, 2]),
-                event(EventType.COMPLETION_FINISHED, {"choices": []}),
-            ],
-        )
+        await recorded.turn(received, [1, 2], None, prompt=prompt, finished={"choices": []})
 
 
 async def test_turns_and_trajectories_show_how_prompts_reached_the_engine(

@@ -129,16 +129,21 @@ async def test_the_proxy_serves_records_and_finishes_as_the_recorder(database_ur
             assert await state.store.pool.fetchval("SELECT current_user") == RECORDER_ROLE
 
 
-async def test_migrate_gives_the_roles_their_passwords(database_url: str) -> None:
-    env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url,
-           "TRAJSTORE_RECORDER_DB_PASSWORD": "rec-secret"}  # fmt: skip
+async def migrate(database_url: str, **env: str) -> str:
+    """Run `trajstore migrate` in a subprocess, as compose's migrate service does; its output."""
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "trajstore", "migrate", env=env,
+        sys.executable, "-m", "trajstore", "migrate",
+        env={**os.environ, "TRAJSTORE_DATABASE_URL": database_url, **env},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, err = await child.communicate()
     assert child.returncode == 0, err.decode()
-    assert "set the password of trajstore_recorder" in out.decode()
+    return out.decode()
+
+
+async def test_migrate_gives_the_roles_their_passwords(database_url: str) -> None:
+    out = await migrate(database_url, TRAJSTORE_RECORDER_DB_PASSWORD="rec-secret")
+    assert "set the password of trajstore_recorder" in out
     conn = await connect(database_url)
     try:  # SCRAM verifiers, never the password itself
         verifier = await conn.fetchval(
@@ -153,20 +158,14 @@ async def test_migrate_writes_each_roles_url_file_as_compose_hands_them_out(
     database_url: str, tmp_path: Any
 ) -> None:
     files = {RECORDER_ROLE: tmp_path / "recorder" / "url", PROJECTOR_ROLE: tmp_path / "p" / "url"}
-    env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url,
-           "TRAJSTORE_RECORDER_DATABASE_URL_FILE": str(files[RECORDER_ROLE]),
+    env = {"TRAJSTORE_RECORDER_DATABASE_URL_FILE": str(files[RECORDER_ROLE]),
            "TRAJSTORE_PROJECTOR_DATABASE_URL_FILE": str(files[PROJECTOR_ROLE])}  # fmt: skip
 
-    async def migrate() -> dict[str, str]:
-        child = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "trajstore", "migrate", env=env,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        _, err = await child.communicate()
-        assert child.returncode == 0, err.decode()
+    async def urls_after_migrate() -> dict[str, str]:
+        await migrate(database_url, **env)
         return {role: path.read_text().strip() for role, path in files.items()}
 
-    first = await migrate()
+    first = await urls_after_migrate()
     for role, url in first.items():
         parsed = make_url(url)
         assert parsed.username == role and parsed.password  # a generated password
@@ -176,7 +175,7 @@ async def test_migrate_writes_each_roles_url_file_as_compose_hands_them_out(
             assert await conn.fetchval("SELECT current_user") == role
         finally:
             await conn.close()
-    assert await migrate() == first  # migrating again keeps the URLs the processes hold
+    assert await urls_after_migrate() == first  # migrating again keeps the URLs the processes hold
     # The proxy's side reads its file, and nothing of the owner's.
     settings = StoreSettings(recorder_database_url_file=files[RECORDER_ROLE])
     assert role_database_url(RECORDER_ROLE, settings) == first[RECORDER_ROLE]
