@@ -14,6 +14,7 @@ main.lazy.update(
         "replay": "trajstore.trainer.cli:replay",
         "up": "trajstore.stack:up",
         "demo": "trajstore.demo:demo",
+        "run": "trajstore.trials:run",
     }
 )
 
