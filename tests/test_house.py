@@ -25,8 +25,13 @@ def modules() -> dict[str, Path]:
         for path in (ROOT / part).rglob("*.py"):
             name = ".".join(("trajstore", *path.relative_to(ROOT).with_suffix("").parts))
             found[name.removesuffix(".__init__")] = path
-    for path in (ROOT / "trajstore").glob("*.py"):
-        found["trajstore" if path.stem == "__init__" else f"trajstore.{path.stem}"] = path
+    # The room's own modules and packages (the viewer); its links to the parts are above.
+    for path in (ROOT / "trajstore").rglob("*.py"):
+        relative = path.relative_to(ROOT / "trajstore")
+        if relative.parts[0] in PARTS:
+            continue
+        name = ".".join(("trajstore", *relative.with_suffix("").parts))
+        found[name.removesuffix(".__init__")] = path
     return found
 
 

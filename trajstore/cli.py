@@ -14,6 +14,7 @@ main.lazy.update(
         "replay": "trajstore.trainer.cli:replay",
         "up": "trajstore.stack:up",
         "demo": "trajstore.demo:demo",
+        "ui": "trajstore.viewer.cli:ui",
         "run": "trajstore.trials:run",
     }
 )

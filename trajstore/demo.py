@@ -36,7 +36,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from trajstore.proxy.cli import proxy_settings, store_settings_of
-from trajstore.stack import backends, serving
+from trajstore.stack import backends, serving, viewer_settings
 from trajstore.store.eventstore import EventStore
 from trajstore.store.sql import print_query
 from trajstore.tiny_model import arithmetic_tool
@@ -359,16 +359,21 @@ async def run_demo(
     model_dir: Path | None,
     train_steps: int,
     role_urls: dict[str, str] | None = None,
-) -> None:
-    """Serve the stack, run the agents at once, wait for their samples, summarise."""
+    ui: Any = None,
+) -> str | None:
+    """Serve the stack, run the agents at once, wait for their samples, summarise; with `ui`
+    (`ViewerSettings`) the viewer is served meanwhile. Returns the run's page in the viewer."""
     # Each question goes to GROUP_SIZE agents (one GRPO group): advantages compare their rewards.
     questions = make_tasks((agents + GROUP_SIZE - 1) // GROUP_SIZE, seed)
     tasks = [question for question in questions for _ in range(GROUP_SIZE)][:agents]
     async with (
-        serving(settings, database_url, poll_interval=0.5, **(role_urls or {})) as running,
+        serving(settings, database_url, poll_interval=0.5, **(role_urls or {}), ui=ui) as running,
         httpx.AsyncClient(timeout=120) as http,
         await EventStore.open(database_url) as store,
     ):
+        run_page = f"{running.ui_url}/runs/{run_id}" if running.ui_url else None
+        if run_page:
+            console.print(f"watch the sessions live: {run_page}")
         with Progress(console=console, transient=True) as progress:
             bar = progress.add_task(f"{agents} agents, {turns} turns each", total=agents * turns)
 
@@ -389,6 +394,7 @@ async def run_demo(
         )
     async with await EventStore.open(database_url) as store:
         await print_summary(console, store, run_id, results, training)
+    return run_page
 
 
 @click.command("demo")
@@ -402,6 +408,11 @@ async def run_demo(
               help="Training steps on the samples (0: none; needs the local model).")  # fmt: skip
 @click.option("--engine", "engines", multiple=True,
               help="Use this engine instead of starting a local vLLM (repeatable).")  # fmt: skip
+@click.option(
+    "--ui",
+    is_flag=True,
+    help="Serve the trajectory viewer while the demo runs; print the run's page.",
+)
 @click.pass_context
 def demo(
     ctx: click.Context,
@@ -412,6 +423,7 @@ def demo(
     seed: int,
     train_steps: int,
     engines: tuple[str, ...],
+    ui: bool,
 ) -> None:
     """The whole loop: toy agents through the proxy, rewards, samples, a summary."""
     run_id = run_id or f"demo-{random.randrange(16**6):06x}"
@@ -424,10 +436,16 @@ def demo(
     settings = proxy_settings(list(engines), "127.0.0.1", 8400, True, None, "0")
     with backends(store_settings_of(ctx), list(engines)) as found:
         settings.engines = found.engines
-        asyncio.run(
+        viewer = viewer_settings("127.0.0.1", 8500, found.model_dir) if ui else None
+        if ui and viewer is None:
+            raise click.UsageError("--ui needs the viewer: pip install 'trajstore[ui]'")
+        run_page = asyncio.run(
             run_demo(console, settings, found.database_url, model=found.model, run_id=run_id,
-                     role_urls=found.role_urls(),
+                     role_urls=found.role_urls(), ui=viewer,
                      agents=agents, turns=turns, max_tokens=max_tokens, seed=seed,
                      model_dir=found.model_dir if train_steps else None, train_steps=train_steps)
         )  # fmt: skip
     console.print(f"\nSQL: {found.sql_url}")
+    if run_page:
+        # The demo's viewer stopped with it; `trajstore ui` (or `up`) serves the page again.
+        console.print(f"viewer: {run_page} (serve it again with: trajstore ui)")

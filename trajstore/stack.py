@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -36,6 +36,9 @@ from trajstore.proxy.settings import ProxySettings
 from trajstore.store.embedded import EmbeddedPostgres
 from trajstore.store.settings import StoreSettings
 from trajstore.vllm_server import VllmServer
+
+if TYPE_CHECKING:
+    from trajstore.viewer.settings import ViewerSettings
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,19 @@ def agent_example(proxy_url: str, model: str, *, admin_key: bool) -> list[str]:
         'httpx.post(s["base_url"].removesuffix("/v1") + "/finish", json={"status": "completed"},'
         ' headers={"Authorization": "Bearer " + s["orchestrator_key"]})',
     ]
+
+
+_NO_VIEWER = "not installed (pip install 'trajstore[ui]')"
+
+
+def viewer_settings(host: str, port: int, model_dir: Path | None) -> ViewerSettings | None:
+    """The viewer's settings for `up` and `demo --ui` (the next free port from `port`, token
+    text from the local model when there is one), or None when the `ui` extra is missing."""
+    if importlib.util.find_spec("jinja2") is None:
+        return None
+    from trajstore.viewer.settings import ViewerSettings
+
+    return ViewerSettings(host=host, port=free_port_from(host, port), tokenizer=model_dir)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -191,6 +207,10 @@ def backends(store_settings: StoreSettings, engines: list[str]) -> Iterator[Back
 @click.command("up")
 @click.option("--poll-interval", default=1.0, show_default=True,
               help="Seconds between the projector's polls (NOTIFY wakes it sooner).")  # fmt: skip
+@click.option("--ui-port", envvar="TRAJSTORE_UI_PORT", show_envvar=True, default=8500,
+              show_default=True, type=int,
+              help="Port of the trajectory viewer (the next free one if taken).")  # fmt: skip
+@click.option("--no-ui", is_flag=True, help="Do not serve the trajectory viewer.")
 @click.pass_context
 def up(
     ctx: click.Context,
@@ -201,8 +221,11 @@ def up(
     public_url: str | None,
     policy_version: str,
     poll_interval: float,
+    ui_port: int,
+    no_ui: bool,
 ) -> None:
-    """Run the local stack: database, migrations, proxy, live projector (and vLLM if needed).
+    """Run the local stack: database, migrations, proxy, live projector (and vLLM if needed),
+    and the trajectory viewer.
 
     With no --engine, starts a local vLLM on a generated tiny model. Ctrl-C stops all of it.
     """
@@ -210,10 +233,12 @@ def up(
     settings = proxy_settings(urls, host, port, next_free_port, public_url, policy_version)
     with backends(store_settings_of(ctx), urls) as found:
         settings.engines = found.engines
+        ui = None if no_ui else viewer_settings(settings.host, ui_port, found.model_dir)
 
-        def announce(proxy_url: str) -> None:
+        def announce(proxy_url: str, ui_url: str | None) -> None:
             lines = [
                 f"proxy:     {proxy_url}",
+                f"viewer:    {ui_url}/ (read-only)" if ui_url else f"viewer:    {_NO_VIEWER}",
                 f"engines:   {', '.join(found.engines)}" + (" (local vLLM)" * found.local_vllm),
                 f"sql:       {found.sql_url}",
                 "projector: live, finished sessions become rows of `samples`",
@@ -226,7 +251,7 @@ def up(
 
         asyncio.run(
             _serve_until_signal(
-                settings, found.database_url, poll_interval, announce, found.role_urls()
+                settings, found.database_url, poll_interval, announce, found.role_urls(), ui
             )
         )
     click.echo("stopped: proxy, projector" + (", vLLM" * found.local_vllm))
@@ -241,6 +266,7 @@ class Running:
         self.serving = serving
         self.projecting = projecting
         self.url = url  #: where agents reach the proxy
+        self.ui_url: str | None = None  #: where people reach the viewer, when it is served
 
     async def wait(self, stop: asyncio.Event) -> None:
         """Return when `stop` is set; raise if the proxy or the projector stopped first."""
@@ -265,10 +291,12 @@ async def serving(
     *,
     recorder_url: str = "",
     projector_url: str = "",
+    ui: ViewerSettings | None = None,
 ) -> AsyncIterator[Running]:
     """Serve the proxy and run the live projector until the block ends, then stop both (the
     proxy's shutdown flushes its event writer). Each connects with its role's URL when given
-    (`store.roles`), else with `database_url`."""
+    (`store.roles`), else with `database_url`. With `ui`, the trajectory viewer is served too
+    (read-only, on `database_url`; `Running.ui_url`)."""
     import uvicorn
 
     from trajstore.proxy.app import create_app
@@ -298,7 +326,13 @@ async def serving(
             await serve  # raises what stopped it, if anything did
             raise click.ClickException("the proxy did not start; see the errors above")
         url = settings.public_url or f"http://{settings.host}:{settings.port}"
-        yield Running(server, serve, projecting, url)
+        async with contextlib.AsyncExitStack() as viewer:
+            running = Running(server, serve, projecting, url)
+            if ui is not None:
+                from trajstore.viewer.serving import served
+
+                running.ui_url = await viewer.enter_async_context(served(database_url, ui))
+            yield running
     finally:
         server.should_exit = True
         try:
@@ -314,8 +348,9 @@ async def _serve_until_signal(
     settings: ProxySettings,
     url: str,
     poll_interval: float,
-    announce: Callable[[str], None],
+    announce: Callable[[str, str | None], None],
     role_urls: dict[str, str],
+    ui: ViewerSettings | None = None,
 ) -> None:
     """Serve the proxy and run the projector until SIGINT or SIGTERM."""
     stop = asyncio.Event()
@@ -330,9 +365,9 @@ async def _serve_until_signal(
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal)
     try:
-        async with serving(settings, url, poll_interval, **role_urls) as running:
+        async with serving(settings, url, poll_interval, **role_urls, ui=ui) as running:
             force.append(running)
-            announce(running.url)
+            announce(running.url, running.ui_url)
             await running.wait(stop)
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):

@@ -1,0 +1,54 @@
+// trajstore viewer: turn bodies load when a turn is opened; an active session's page follows
+// its log (server-sent events) and swaps in the new summary, keeping open turns open.
+"use strict";
+
+function loadBody(details) {
+  const body = details.querySelector(":scope > .body");
+  if (details.dataset.loaded === "yes" || details.dataset.loaded === "loading") return;
+  details.dataset.loaded = "loading";
+  fetch(details.dataset.body)
+    .then((r) => r.text().then((html) => ({ ok: r.ok, html })))
+    .then(({ ok, html }) => {
+      body.innerHTML = ok ? html : '<p class="bad">could not load this turn</p>';
+      details.dataset.loaded = ok ? "yes" : "no";
+    })
+    .catch(() => { body.textContent = "could not load this turn"; details.dataset.loaded = "no"; });
+}
+
+function watchTurns(root) {
+  root.querySelectorAll("details.turn").forEach((d) => {
+    d.addEventListener("toggle", () => { if (d.open) loadBody(d); });
+    if (d.open) loadBody(d);
+  });
+}
+
+function follow(session) {
+  if (session.dataset.active !== "yes" || !window.EventSource) return;
+  const source = new EventSource(session.dataset.live);
+  let pending = false;
+  const refresh = () => {
+    if (pending) return;
+    pending = true;
+    const open = [...session.querySelectorAll("details.turn[open]")].map((d) => d.dataset.turn);
+    fetch(session.dataset.summary)
+      .then((r) => (r.ok ? r.text() : Promise.reject(r.status)))
+      .then((html) => {
+        session.innerHTML = html;
+        open.forEach((n) => {
+          const d = session.querySelector(`details.turn[data-turn="${n}"]`);
+          if (d) d.open = true;
+        });
+        watchTurns(session);
+        session.dataset.refreshed = String(Number(session.dataset.refreshed || 0) + 1);
+      })
+      .finally(() => { pending = false; });
+  };
+  source.addEventListener("changed", refresh);
+  source.addEventListener("finished", () => { source.close(); refresh(); });
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  watchTurns(document);
+  const session = document.getElementById("session");
+  if (session) follow(session);
+});

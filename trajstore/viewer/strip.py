@@ -1,0 +1,187 @@
+"""The token strip: a turn's tokens as the sample the trainer sees holds them.
+
+A turn's part of its sample is its *glue* (the prompt tokens the sample did not hold yet: the
+whole prompt for a branch's first turn, else the tool results, user messages and template tokens
+since the previous completion; loss mask 0) followed by its *completion* (loss mask 1, coloured
+by its behaviour logprob). `turn_spans` finds those parts from public facts only (each turn's
+prompt and choices) by the rules of `trajstore.store.samples`: a turn's completion starts right
+after its prompt, or one token later when the previous completion's end-of-turn token was kept
+although the prompt does not repeat it.
+
+The strip is written here as HTML rather than in a template: a turn holds thousands of tokens,
+and a Python join is several times faster than a template loop.
+"""
+
+from __future__ import annotations
+
+import colorsys
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from markupsafe import Markup, escape
+
+from trajstore.store.samples import Sample
+from trajstore.store.sessions import SessionRecord
+from trajstore.store.tokens import decode_logprobs, decode_token_ids, encode_token_ids
+
+#: A glue longer than this shows its first and last `_KEEP` tokens (and the divergence's).
+_LONG_GLUE = 3000
+_KEEP = 1000
+_AROUND_DIVERGENCE = 100
+
+
+def logprob_colour(logprob: float) -> tuple[int, int, int]:
+    """The background of a generated token: red at probability 0, through yellow, to green at 1.
+
+    Linear in probability (exp(logprob)), which is how people read "unsure"; pale enough that
+    the text stays readable.
+    """
+    probability = min(max(math.exp(logprob), 0.0), 1.0)
+    red, green, blue = colorsys.hls_to_rgb(probability / 3, 0.8, 0.75)
+    return round(red * 255), round(green * 255), round(blue * 255)
+
+
+def _packed(values: bytes | Sequence[int]) -> bytes:
+    return values if isinstance(values, bytes) else encode_token_ids(list(values))
+
+
+@dataclass(frozen=True)
+class TurnSpan:
+    """Where one turn's tokens sit in a sample: glue [glue_start, start), completion
+    [start, end)."""
+
+    sample: Sample
+    turn: int
+    glue_start: int
+    start: int
+    end: int
+
+
+def turn_spans(sample: Sample, session: SessionRecord) -> list[TurnSpan]:
+    """Each of the sample's turns, with the places of its glue and its completion."""
+    tokens = sample.token_bytes
+    found: list[TurnSpan] = []
+    end = 0
+    for k, index in enumerate(sample.turns):
+        turn = session.turns[index]
+        prompt = _packed(turn.prompt_token_ids)
+        start = len(prompt) // 4
+        if k > 0 and not tokens.startswith(prompt):
+            start += 1  # the previous completion's end-of-turn token stays; the prompt lacks it
+        if sample.alternative_of is not None or k == len(sample.turns) - 1:
+            stop = sample.n_tokens  # the completion is the rest
+        else:  # the choice this sample continued: the longest whose tokens are there
+            fitting = [
+                len(ids) // 4
+                for choice in turn.choices.values()
+                if tokens.startswith(ids := _packed(choice.token_ids), 4 * start)
+            ]
+            stop = start + max(fitting, default=0)
+        found.append(TurnSpan(sample, index, end, start, stop))
+        end = stop
+    return found
+
+
+@dataclass(frozen=True)
+class Strip:
+    """Tokens to draw: ids, loss mask, logprobs (NaN: no behaviour logprob), and a mark."""
+
+    title: str
+    ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    diverged_at: int | None = None  #: index into `ids` of the first token that diverged
+    divergence: str = ""  #: what the mark says
+
+    @classmethod
+    def of_span(cls, span: TurnSpan, title: str, divergence: tuple[int, str] | None) -> Strip:
+        """The glue and completion of one turn of a sample."""
+        lo, hi = span.glue_start, span.end
+        sample = span.sample
+        ids = np.asarray(sample.token_array()[lo:hi]).tolist()
+        mask = list(sample.mask_bytes()[lo:hi])
+        logprobs = np.asarray(sample.logprob_array()[lo:hi], np.float64).tolist()
+        if divergence is None:
+            return cls(title, ids, mask, logprobs)
+        position, why = divergence
+        return cls(title, ids, mask, logprobs, position - lo, why)
+
+    @classmethod
+    def of_tokens(cls, title: str, ids: bytes | Sequence[int],
+                  logprobs: bytes | Sequence[float]) -> Strip:  # fmt: skip
+        """Generated tokens outside any sample (a failed or unfinished turn), as recorded."""
+        id_list = np.asarray(decode_token_ids(_packed(ids))).tolist()
+        raw = logprobs if isinstance(logprobs, bytes) else None
+        values = (
+            np.asarray(decode_logprobs(raw), np.float64).tolist() if raw is not None
+            else [float(v) for v in logprobs]
+        )  # fmt: skip
+        if len(values) != len(id_list):
+            values = [math.nan] * len(id_list)
+        return cls(title, id_list, [1] * len(id_list), values)
+
+    def shown(self) -> list[tuple[int, int]]:
+        """The index ranges drawn: all of it, or a long glue's ends and the divergence."""
+        n = len(self.ids)
+        glue = next((i for i, m in enumerate(self.mask) if m), n)
+        if glue <= _LONG_GLUE:
+            return [(0, n)]
+        keep = [(0, _KEEP), (glue - _KEEP, n)]
+        if self.diverged_at is not None:
+            keep.append((self.diverged_at - _AROUND_DIVERGENCE,
+                         self.diverged_at + _AROUND_DIVERGENCE))  # fmt: skip
+        return _merged((max(a, 0), min(b, n)) for a, b in keep)
+
+
+def _merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def render(strip: Strip, texts: list[str] | None) -> Markup:
+    """The strip as spans: text (or id), `title` for hover, `data-*` for tests and scripts."""
+    parts: list[str] = []
+    mark = strip.diverged_at
+    position = 0
+    for lo, hi in strip.shown():
+        if lo > position:
+            parts.append(f'<span class="elided">… {lo - position} tokens …</span>')
+        for i in range(lo, hi):
+            token = strip.ids[i]
+            text = f"⟨{token}⟩" if texts is None else texts[i]
+            shown = escape(text if text.strip() or "\n" in text else text.replace(" ", "␣") or "∅")
+            about = escape(repr(text)) if texts is not None else "(no text)"
+            if i == mark:
+                parts.append(f'<span class="divergence" title="{escape(strip.divergence)}">'
+                             "</span>")  # fmt: skip
+            extra = " diverged" if i == mark else ""
+            if not strip.mask[i]:
+                parts.append(f'<span class="t m0{extra}" data-id="{token}" title="{about} · id '
+                             f'{token} · prompt (loss mask 0)">{shown}</span>')  # fmt: skip
+                continue
+            logprob = strip.logprobs[i]
+            if math.isnan(logprob):
+                parts.append(
+                    f'<span class="t m1 nolp{extra}" data-id="{token}" data-lp="nan" '
+                    f'title="{about} · id {token} · no behaviour logprob">{shown}</span>'
+                )
+                continue
+            red, green, blue = logprob_colour(logprob)
+            parts.append(
+                f'<span class="t m1{extra}" data-id="{token}" data-lp="{logprob:.6g}" '
+                f'style="background:rgb({red},{green},{blue})" title="{about} · id {token} · '
+                f'logprob {logprob:.4f} (p {math.exp(logprob):.3f})">{shown}</span>'
+            )
+        position = hi
+    if mark is not None and mark >= len(strip.ids):  # the prompt stopped short of the sample
+        parts.append(f'<span class="divergence" title="{escape(strip.divergence)}"></span>')
+    if position < len(strip.ids):
+        parts.append(f'<span class="elided">… {len(strip.ids) - position} tokens …</span>')
+    return Markup("".join(parts))
