@@ -11,6 +11,8 @@
     GET  /sessions/{id}/v1/models
     GET  /health, /metrics
     GET  /admin/engines, POST /admin/engines/policy-version
+    GET | PUT | DELETE /admin/runs/{run_id}/limits  a run's limits on this replica (admission)
+    WS   /engines/connect                           an engine's relay dials in (`proxy.relay`)
 
 The model-call routes bypass FastAPI (see `proxy.model_calls`): they are the hot path.
 """
@@ -31,12 +33,13 @@ from typing import Annotated, Any
 
 import aiohttp
 import orjson
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
+from trajstore.proxy.admission import Admission, RateLimit
 from trajstore.proxy.auth import admin_key_is_valid, require_orchestrator_key, require_session_key
 from trajstore.proxy.continuation import last_turn_in_log
 from trajstore.proxy.engines import EnginePool
@@ -51,9 +54,11 @@ from trajstore.proxy.forwarding import Forwarder
 from trajstore.proxy.metrics import ProxyMetrics
 from trajstore.proxy.model_calls import BodyLimit, ModelCalls
 from trajstore.proxy.reaper import Reaper
+from trajstore.proxy.relay_channel import accept_relay
 from trajstore.proxy.replicas import connection_name, new_replica_id
 from trajstore.proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
 from trajstore.proxy.settings import ProxySettings
+from trajstore.proxy.transport import TransportError
 from trajstore.store import EventStore, StoreError
 from trajstore.store.collector import fewer_collections
 from trajstore.store.sessions import rebuild_session
@@ -72,6 +77,7 @@ class ProxyState:
     engines: EnginePool
     metrics: ProxyMetrics
     public_url: str
+    admission: Admission
 
 
 class ProxyApp(FastAPI):
@@ -126,6 +132,11 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
             healthy=lambda: sum(e.healthy for e in engines.engines),
             sessions=lambda: registry.cached,
         )
+        admission = Admission(
+            max_in_flight=settings.admission_max_in_flight,
+            max_queued=settings.admission_max_queued,
+        )
+        metrics.watch_admission(admission)
         await registry.replicas.start()  # before serving: a finish elsewhere must reach us
         app.state.proxy = ProxyState(
             settings=settings,
@@ -143,6 +154,7 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
             engines=engines,
             metrics=metrics,
             public_url=public_url,
+            admission=admission,
         )
         watchdog = asyncio.create_task(_watch_event_loop(metrics), name="loop-watchdog")
         follower = asyncio.create_task(registry.follow(), name="session-facts-follower")
@@ -250,6 +262,7 @@ def _add_routes(app: FastAPI) -> None:
         _require_admin(state, authorization)
         session_id = body.session_id or secrets.token_hex(12)
         session, created = await state.registry.create(body, session_id)
+        state.admission.offer(session.run_id, session.rate_limit, session.created_at)
         if not created:
             response.status_code = 200
         return SessionCreated(
@@ -299,12 +312,17 @@ def _add_routes(app: FastAPI) -> None:
         return {"session_id": session_id, "discarded": body.reason}
 
     async def models(state: ProxyState) -> Response:
-        engine = next((e for e in state.engines.engines if e.healthy), state.engines.engines[0])
+        engines = state.engines.engines
+        engine = next((e for e in engines if e.healthy), engines[0] if engines else None)
+        if engine is None:
+            raise Overloaded("no engine yet: name one, or connect a relay")
         try:
-            async with state.forwarder.http.get(engine.url + "/v1/models") as resp:
-                return Response(await resp.read(), status_code=resp.status,
-                                media_type="application/json")  # fmt: skip
-        except aiohttp.ClientError as exc:
+            answer = await engine.connection().send(
+                "GET", "/v1/models", None, {}, timeout=state.settings.request_timeout
+            )
+            return Response(await answer.read(), status_code=answer.status,
+                            media_type="application/json")  # fmt: skip
+        except (TransportError, TimeoutError) as exc:
             raise Overloaded(f"the engine at {engine.url} cannot be reached: {exc}") from None
 
     @app.get("/sessions/{session_id}/v1/models")
@@ -351,6 +369,41 @@ def _add_routes(app: FastAPI) -> None:
             return [state.engines.set_policy_version(url, body.version).describe() for url in urls]
         except KeyError:
             raise NotFound(f"no engine {body.engine!r}; see GET /admin/engines") from None
+
+    @app.websocket("/engines/connect")
+    async def relay_dials_in(websocket: WebSocket) -> None:
+        state: ProxyState = websocket.app.state.proxy
+        await accept_relay(
+            websocket,
+            state.engines,
+            admin_key=state.settings.api_key,
+            relay_tokens=state.settings.relay_tokens,
+        )
+
+    # A run's limits live in this replica's memory (`proxy.admission`): with N replicas, call
+    # each with its share. The admin's limits hold over those sessions ask for, until DELETE.
+    @app.get("/admin/runs/{run_id}/limits")
+    async def run_limits(
+        run_id: str, state: State, authorization: Authorization = None
+    ) -> dict[str, Any]:
+        _require_admin(state, authorization)
+        return state.admission.describe(run_id)
+
+    @app.put("/admin/runs/{run_id}/limits")
+    async def set_run_limits(
+        run_id: str, body: RateLimit, state: State, authorization: Authorization = None
+    ) -> dict[str, Any]:
+        _require_admin(state, authorization)
+        state.admission.set_limits(run_id, body)
+        return state.admission.describe(run_id)
+
+    @app.delete("/admin/runs/{run_id}/limits")
+    async def clear_run_limits(
+        run_id: str, state: State, authorization: Authorization = None
+    ) -> dict[str, Any]:
+        _require_admin(state, authorization)
+        state.admission.set_limits(run_id, None)
+        return state.admission.describe(run_id)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -71,6 +71,9 @@ def store_settings_of(ctx: click.Context) -> StoreSettings:
               help="URL agents reach the proxy at [default: http://HOST:PORT].")  # fmt: skip
 @click.option("--policy-version", envvar="TRAJSTORE_POLICY_VERSION", show_envvar=True,
               default="0", show_default=True, help="Policy version of the engines.")  # fmt: skip
+@click.option("--relays-only", is_flag=True,
+              help="Start with no --engine: serve only engines whose relays dial in "
+                   "(trajstore relay).")  # fmt: skip
 @click.pass_context
 def proxy(
     ctx: click.Context,
@@ -80,6 +83,7 @@ def proxy(
     next_free_port: bool,
     public_url: str | None,
     policy_version: str,
+    relays_only: bool,
 ) -> None:
     """Run the recording proxy: an OpenAI-compatible gateway that records every token."""
     import uvicorn
@@ -87,9 +91,58 @@ def proxy(
     from trajstore.proxy.app import create_app
 
     urls = engine_urls(engines)
-    if not urls:
-        raise click.UsageError("name at least one engine: --engine http://HOST:PORT")
+    if not urls and not relays_only:
+        raise click.UsageError(
+            "name at least one engine: --engine http://HOST:PORT (or pass --relays-only to "
+            "serve only engines that dial in with trajstore relay)"
+        )
     settings = proxy_settings(urls, host, port, next_free_port, public_url, policy_version)
     app = create_app(settings, role_database_url(RECORDER_ROLE, store_settings_of(ctx)))
-    click.echo(f"trajstore proxy on http://{host}:{settings.port} -> {', '.join(urls)}")
+    served = ", ".join(urls) or "engines that dial in at /engines/connect"
+    click.echo(f"trajstore proxy on http://{host}:{settings.port} -> {served}")
     uvicorn.run(app, host=host, port=settings.port, log_level="warning", access_log=False)
+
+
+@click.command("relay")
+@click.option("--proxy", "proxy_url", required=True, envvar="TRAJSTORE_RELAY_PROXY",
+              show_envvar=True,
+              help="The proxy's URL, e.g. https://proxy.example:8400.")  # fmt: skip
+@click.option("--engine", "engine_url", default="http://127.0.0.1:8000", show_default=True,
+              envvar="TRAJSTORE_RELAY_ENGINE", show_envvar=True,
+              help="Base URL of the local engine (vLLM OpenAI server).")  # fmt: skip
+@click.option("--token", envvar="TRAJSTORE_RELAY_TOKEN", show_envvar=True,
+              help="The proxy's admin key or one of its TRAJSTORE_RELAY_TOKENS.")  # fmt: skip
+@click.option("--name", envvar="TRAJSTORE_RELAY_NAME", show_envvar=True,
+              help="The engine's name at the proxy, relay://NAME "
+                   "[default: HOST-ENGINEPORT].")  # fmt: skip
+@click.option("--health-interval", type=float, default=5.0, show_default=True,
+              envvar="TRAJSTORE_RELAY_HEALTH_INTERVAL", show_envvar=True,
+              help="Seconds between two checks of the engine's /health.")  # fmt: skip
+def relay(
+    proxy_url: str, engine_url: str, token: str | None, name: str | None, health_interval: float
+) -> None:
+    """Run beside an engine the proxy cannot reach, and dial in to the proxy: the proxy routes
+    requests to the engine over one WebSocket, which reconnects with backoff."""
+    import asyncio
+    import logging
+
+    from trajstore.proxy.relay import Relay, RelayRefused
+    from trajstore.proxy.relay_protocol import ProtocolError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        dialler = Relay(proxy_url, engine_url, token, name, health_interval=health_interval)
+    except ProtocolError as exc:
+        raise click.BadParameter(str(exc), param_hint="--name") from None
+    click.echo(f"trajstore relay: {dialler.engine_url} -> {proxy_url} as relay://{dialler.name}")
+    try:
+        try:
+            import uvloop  # uvicorn[standard] brings it; the proxy runs on it too
+        except ImportError:
+            asyncio.run(dialler.run())
+        else:
+            uvloop.run(dialler.run())
+    except RelayRefused as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        pass

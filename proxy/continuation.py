@@ -27,7 +27,10 @@ messages as the agent sent them, exactly as without this module):
    `tool_calls`), or was cut by `length`; not by a stop string (the ids sampled past the text
    the agent got back), nor empty.
 6. `render_options_changed` / `non_text_content`: tools, chat template and its kwargs as in
-   turn k; text content only.
+   turn k; text content only, in every message (checked first, before the log is read): an
+   image's placeholder ids mean nothing to the engine without the image, and vLLM renders the
+   messages of such a request itself, ignoring the ids (which would then count as
+   `engine_ignored_token_prompt` and stop continuation on that engine for every session).
 7. The engine renders (its `/tokenize`, which applies the model's own chat template):
        R = render(M + [A] + N, generation prompt)         what the engine would see from text
        S = render(BASE + N, gen) minus render(BASE)        the new messages, after a neutral BASE
@@ -61,7 +64,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-import aiohttp
 import numpy as np
 import orjson
 
@@ -69,6 +71,7 @@ from trajstore.proxy.apis import TRANSLATIONS
 from trajstore.proxy.engines import Engine
 from trajstore.proxy.errors import ProxyError
 from trajstore.proxy.replicas import Replicas
+from trajstore.proxy.transport import TransportError
 from trajstore.store import EventStore, StoreError
 from trajstore.store.sessions import TurnRecord, rebuild_session
 from trajstore.store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
@@ -189,6 +192,9 @@ class Turn:
     #: For a turn read from the log: its messages and render options, parsed. PostgreSQL's
     #: jsonb does not keep key order, so these are compared as values, not as bytes.
     from_log: tuple[list[Any], list[Any]] | None = None
+    #: The images this replica recorded for the session up to this turn, by sha256: the next
+    #: turn refers to them instead of recording them again (`proxy.images`).
+    images: frozenset[str] = frozenset()
 
     @property
     def tokens(self) -> bytes:
@@ -299,16 +305,14 @@ class Continuer:
 
     def __init__(
         self,
-        http: aiohttp.ClientSession,
         *,
         enabled: bool = True,
         headers: dict[str, str] | None = None,
         timeout: float = 30.0,
     ) -> None:
-        self.http = http
         self.enabled = enabled
         self.headers = headers or {}
-        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.timeout = timeout
         # Per engine and render options: (render(BASE), E), which every turn reuses.
         self._bases: OrderedDict[tuple[str, bytes], tuple[list[int], list[int]]] = OrderedDict()
 
@@ -325,6 +329,8 @@ class Continuer:
         messages: list[Any] = body["messages"]
         if not self.enabled or not _has_history(messages):
             return RENDERED
+        if _has_media(messages):
+            return RENDERED._replace(fallback="non_text_content")
         if turn is not None and turn.n_messages == 0:
             turn = None  # a completions turn: nothing a chat request can continue
         if turn is None or _needs_later_turn(messages, turn, messages_json):
@@ -402,15 +408,14 @@ class Continuer:
             if body.get(field) is not None:
                 request[field] = body[field]
         try:
-            async with self.http.post(
-                engine.url + "/tokenize", data=orjson.dumps(request),
-                headers={"Content-Type": "application/json", **self.headers},
-                timeout=self.timeout,
-            ) as resp:  # fmt: skip
-                raw = await resp.read()
-                if resp.status != 200:
-                    raise _Refused(f"/tokenize answered {resp.status}: {raw[:200]!r}")
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            answer = await engine.connection().send(
+                "POST", "/tokenize", orjson.dumps(request),
+                {"Content-Type": "application/json", **self.headers}, timeout=self.timeout,
+            )  # fmt: skip
+            raw = await answer.read()
+            if answer.status != 200:
+                raise _Refused(f"/tokenize answered {answer.status}: {raw[:200]!r}")
+        except (TransportError, TimeoutError) as exc:
             raise _Refused(f"/tokenize failed: {type(exc).__name__}: {exc}") from None
         tokens = orjson.loads(raw).get("tokens")
         if not isinstance(tokens, list):
@@ -425,6 +430,17 @@ async def _gather(*awaitables: Awaitable[Any]) -> list[Any]:
         if isinstance(result, BaseException):
             raise result
     return results
+
+
+def _has_media(messages: list[Any]) -> bool:
+    """Whether a message has a content part that is not text (an image, audio, a file)."""
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and any(
+            not isinstance(part, dict) or part.get("type", "text") != "text" for part in content
+        ):
+            return True
+    return False
 
 
 def _has_history(messages: list[Any]) -> bool:

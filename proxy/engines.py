@@ -1,6 +1,8 @@
 """The inference engines behind the proxy: which one serves a request, and which are alive.
 
-Each engine is a vLLM OpenAI-compatible server. A request is routed by a key (its session id):
+Each engine is a vLLM OpenAI-compatible server, reached at its URL or, when it dialled in, over
+its relay's WebSocket (`proxy.transport`, `proxy.relay`): the pool does not care which. A request
+is routed by a key (its session id):
 rendezvous (highest-random-weight) hashing gives every key one preferred engine, so a session's
 turns land where its prefix is already cached, and when an engine disappears only the sessions
 it held move elsewhere. An engine that is down or saturated is skipped in favour of the least
@@ -17,10 +19,12 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import aiohttp
+
+from trajstore.proxy.transport import HttpTransport, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,8 @@ class Engine:
     #: Whether it takes pre-tokenised chat prompts (`proxy.continuation`); False once it
     #: rendered the messages instead of using the ids it was sent.
     token_prompts: bool = True
+    #: How requests reach it; the pool sets it (HTTP at start, a relay's channel on dial-in).
+    transport: Transport | None = field(default=None, repr=False)
 
     @property
     def saturated(self) -> bool:
@@ -68,7 +74,14 @@ class Engine:
             "last_error": self.last_error,
             "last_checked": self.last_checked,
             "token_prompts": self.token_prompts,
+            **(self.transport.describe() if self.transport else {"transport": "http"}),
         }
+
+    def connection(self) -> Transport:
+        """How requests reach the engine; raise if the pool has not started."""
+        if self.transport is None:
+            raise RuntimeError(f"engine {self.url} has no transport: start() the pool first")
+        return self.transport
 
 
 def _normalise_url(url: str) -> str:
@@ -100,8 +113,6 @@ class EnginePool:
     ) -> None:
         if isinstance(urls, str):
             raise TypeError("urls must be a sequence of URLs, not one string")
-        if not urls:
-            raise ValueError("at least one engine URL is needed")
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, not {max_in_flight}")
         if health_interval <= 0 or health_timeout <= 0:
@@ -115,8 +126,10 @@ class EnginePool:
             engine = Engine(url=url, policy_version=policy_version, max_in_flight=max_in_flight)
             self.engines.append(engine)
             self._by_url[url] = engine
+        self._policy_version = policy_version
+        self._max_in_flight = max_in_flight
         self._health_interval = health_interval
-        self._health_timeout = aiohttp.ClientTimeout(total=health_timeout)
+        self._health_timeout = health_timeout
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._checks: set[asyncio.Task[bool]] = set()  # checks of suspects, kept until done
@@ -126,6 +139,9 @@ class EnginePool:
         if self._task is not None:
             raise RuntimeError("the engine pool is already started")
         self._session = session
+        for engine in self.engines:
+            if engine.transport is None:
+                engine.transport = HttpTransport(session, engine.url)
         await self._check_all()
         self._task = asyncio.create_task(self._health_loop(), name="engine-health")
 
@@ -142,15 +158,18 @@ class EnginePool:
 
     def preferred(self, key: str) -> Engine:
         """Return the engine `key` hashes to, whatever its health."""
+        if not self.engines:
+            raise NoHealthyEngine("no engine yet: name one, or connect a relay")
         # Ties (astronomically unlikely) go to the first engine in order: max() keeps the first.
         return max(self.engines, key=lambda engine: _weight(engine.url, key))
 
-    def choose(self, key: str) -> Engine:
-        """Return the engine to send `key`'s request to: its preferred one when that can serve."""
+    def choose(self, key: str, exclude: Collection[Engine] = ()) -> Engine:
+        """Return the engine to send `key`'s request to: its preferred one when that can serve.
+        `exclude`: engines already tried for this request."""
         preferred = self.preferred(key)
-        if preferred.healthy and not preferred.saturated:
+        if preferred.healthy and not preferred.saturated and preferred not in exclude:
             return preferred
-        healthy = [e for e in self.engines if e.healthy]
+        healthy = [e for e in self.engines if e.healthy and e not in exclude]
         if not healthy:
             raise NoHealthyEngine()
         # When every healthy engine is saturated, the least loaded still takes the request:
@@ -180,6 +199,28 @@ class EnginePool:
                 engine.in_flight -= 1
 
         return release
+
+    def attach(self, url: str, transport: Transport, error: str | None) -> Engine:
+        """Serve from the engine at `url` through `transport` (a relay that dialled in), healthy
+        unless `error`. An engine seen before keeps its entry (policy version, hash position):
+        a reconnecting relay gets its sessions back."""
+        engine = self._by_url.get(url)
+        if engine is None:
+            engine = Engine(url=url, policy_version=self._policy_version,
+                            max_in_flight=self._max_in_flight)  # fmt: skip
+            self.engines.append(engine)
+            self._by_url[url] = engine
+            logger.info("engine %s dialled in", url)
+        engine.transport = transport
+        engine.last_checked = time.time()
+        self._set_health(engine, healthy=error is None, error=error)
+        return engine
+
+    def detach(self, engine: Engine, transport: Transport, error: str) -> None:
+        """Stop routing to `engine` because `transport` is gone, unless it was replaced already
+        (the relay reconnected first). The engine stays listed, unhealthy, until it returns."""
+        if engine.transport is transport:
+            self._set_health(engine, healthy=False, error=error)
 
     def get(self, url: str) -> Engine:
         """Return the engine at `url` (normalised); raise KeyError if there is none."""
@@ -212,23 +253,22 @@ class EnginePool:
         self._set_health(engine, healthy=False, error=error)
 
     async def check(self, engine: Engine) -> bool:
-        """Ask the engine's `/health` endpoint whether it is up; record and return the answer."""
+        """Ask the engine whether it is up (its `/health`, or its relay's last report); record
+        and return the answer."""
         if self._session is None:
             raise RuntimeError("start() the engine pool before checking engines")
-        error: str | None = None
-        try:
-            async with self._session.get(
-                f"{engine.url}/health", timeout=self._health_timeout
-            ) as response:
-                if response.status != 200:
-                    error = f"GET /health answered {response.status}"
-        except TimeoutError:
-            error = f"GET /health timed out after {self._health_timeout.total}s"
-        except (aiohttp.ClientError, OSError) as exc:
-            error = f"GET /health failed: {type(exc).__name__}: {exc}"
+        transport = engine.connection()
+        error = await transport.health(self._health_timeout)
+        if engine.transport is not transport:
+            return engine.healthy  # a relay reconnected meanwhile: its own report stands
         engine.last_checked = time.time()
         self._set_health(engine, healthy=error is None, error=error)
         return engine.healthy
+
+    def record_health(self, engine: Engine, error: str | None) -> None:
+        """Record a health report that came to the proxy (a relay's check of its engine)."""
+        engine.last_checked = time.time()
+        self._set_health(engine, healthy=error is None, error=error)
 
     def describe(self) -> list[dict[str, object]]:
         """Return every engine's state, in order, as JSON-able dicts."""

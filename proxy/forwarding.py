@@ -3,6 +3,9 @@
 The request path never awaits the database: events go to the store's background writer. A
 streamed answer is relayed chunk by chunk as the engine sends it; the recorder coalesces tokens
 into chunk events. Every failure is recorded as an event and answered in OpenAI's error shape.
+An engine is reached through its transport (`proxy.transport`: HTTP, or a relay that dialled
+in), the same way for both; one lost before anything reached the agent leaves a recorded
+failure and the request goes to another engine.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from trajstore.proxy.metrics import ProxyMetrics
 from trajstore.proxy.recorder import PromptContexts, RequestRecorder, new_request_id
 from trajstore.proxy.sessions import Session
 from trajstore.proxy.settings import ProxySettings
+from trajstore.proxy.transport import Answer, AnswerBroken, EngineUnreachable, TransportError
 from trajstore.proxy.wire import (
     ENGINE_PATHS,
     Api,
@@ -109,7 +113,6 @@ class Forwarder:
         # and the next prompt continued from its ids.
         self.contexts = PromptContexts()
         self.continuer = Continuer(
-            http,
             enabled=settings.continuation == "tokens",
             headers=self._headers(None),
             timeout=settings.request_timeout,
@@ -134,12 +137,35 @@ class Forwarder:
             raise Overloaded(
                 "the recorder is behind; retry shortly", retry_after=self.writer.retry_after()
             )
-        try:
-            engine = self.engines.choose(session.session_id)
-        except NoHealthyEngine as exc:
-            raise Overloaded(str(exc), retry_after=2.0) from None
+        call = _Call(api, session, body, chat, asked, translation, self._headers(extra_headers))
+        # An engine lost before anything reached the agent (unreachable, its relay gone, its
+        # whole answer broken off) leaves a recorded failure, and the request goes to another
+        # engine as a new request of the session; once the agent got a stream's head, a break
+        # is the agent's to handle (its stream ends with an error event).
+        tried: list[Engine] = []
+        failure: ProxyError | None = None
+        while len(tried) < _ATTEMPTS:
+            try:
+                engine = self.engines.choose(session.session_id, exclude=tried)
+            except NoHealthyEngine as exc:
+                if failure is not None:
+                    raise failure from None
+                raise Overloaded(str(exc), retry_after=2.0) from None
+            tried.append(engine)
+            try:
+                return await self._attempt(call, engine)
+            except _EngineLost as lost:
+                failure = lost.error
+                log.info("%s; trying another engine", lost.error)
+        assert failure is not None
+        raise failure
+
+    async def _attempt(self, call: _Call, engine: Engine) -> Response:
+        """Record the request as sent to `engine`, send it, answer the agent; raise
+        `_EngineLost` (recorded) when the engine is lost before the agent got anything."""
+        api, session, body, chat, asked = call.api, call.session, call.body, call.chat, call.asked
         request_id = new_request_id()
-        reply = Reply(asked, translation, body, request_id)
+        reply = Reply(asked, call.translation, body, request_id)
         recorder = RequestRecorder(
             self.writer,
             session_id=session.session_id,
@@ -149,7 +175,11 @@ class Forwarder:
             previous=self.contexts.get(session.session_id),
             on_completed=functools.partial(self.contexts.remember, session.session_id),
             on_prompt=functools.partial(self._prompt_sent, engine),
-            finish_reason_in_api=None if translation is None else translation.finish_reason,
+            max_image_bytes=self.settings.max_image_bytes,
+            image_token_id=self.settings.image_token_id,
+            finish_reason_in_api=(
+                None if call.translation is None else call.translation.finish_reason
+            ),
         )
         try:
             received = recorder.received_event(
@@ -173,10 +203,22 @@ class Forwarder:
             engine_body(engine_api, chat, recorder.plan.token_ids),
             option=orjson.OPT_SERIALIZE_NUMPY,
         )
-        headers = self._headers(extra_headers)
-        if chat.get("stream"):
-            return await self._stream(api, engine, payload, headers, recorder, reply)
-        return await self._complete(api, engine, payload, headers, recorder, reply)
+        stream = bool(chat.get("stream"))
+        release = self.engines.acquire(engine)
+        try:
+            answer = await engine.connection().send(
+                "POST", ENGINE_PATHS[api], payload, call.headers,
+                timeout=self.settings.request_timeout, stream=stream,
+            )  # fmt: skip
+        except BaseException as exc:
+            release()
+            raise await self._engine_failure(api, engine, recorder, exc) from None
+        if stream:
+            return await self._stream(api, engine, answer, release, recorder, reply)
+        try:
+            return await self._complete(api, engine, answer, recorder, reply)
+        finally:
+            release()
 
     async def count_tokens(self, session: Session, raw: bytes) -> Response:
         """Anthropic's `count_tokens`: the prompt a Messages request would be, counted by the
@@ -193,22 +235,22 @@ class Forwarder:
             engine = self.engines.choose(session.session_id)
         except NoHealthyEngine as exc:
             raise Overloaded(str(exc), retry_after=2.0) from None
-        timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
         try:
-            async with self.http.post(
-                engine.url + "/tokenize", data=orjson.dumps(request),
-                headers=self._headers(None), timeout=timeout,
-            ) as resp:  # fmt: skip
-                status, answer = resp.status, await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            answer = await engine.connection().send(
+                "POST", "/tokenize", orjson.dumps(request), self._headers(None),
+                timeout=self.settings.request_timeout,
+            )  # fmt: skip
+            status, answer_body = answer.status, await answer.read()
+        except (TransportError, TimeoutError) as exc:
             raise EngineFailed(f"the engine at {engine.url} cannot count tokens: {exc}") from None
         if status != 200:
             message = (
-                f"the engine could not render the messages: {answer[:500].decode(errors='replace')}"
+                "the engine could not render the messages: "
+                f"{answer_body[:500].decode(errors='replace')}"
             )
             error = BadRequest(message) if status == 400 else EngineFailed(message, status=status)
             raise error
-        count = orjson.loads(answer).get("count")
+        count = orjson.loads(answer_body).get("count")
         return Response(orjson.dumps({"input_tokens": count}), media_type=_JSON)
 
     # -- non-streaming --------------------------------------------------------------------------
@@ -217,21 +259,15 @@ class Forwarder:
         self,
         api: Api,
         engine: Engine,
-        payload: bytes,
-        headers: dict[str, str],
+        answer: Answer,
         recorder: RequestRecorder,
         reply: Reply,
     ) -> Response:
-        timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
-        with self.engines.lease(engine):
-            try:
-                async with self.http.post(
-                    engine.url + ENGINE_PATHS[api], data=payload, headers=headers,
-                    timeout=timeout,
-                ) as resp:  # fmt: skip
-                    status, raw = resp.status, await resp.read()
-            except BaseException as exc:
-                raise await self._engine_failure(api, engine, recorder, exc) from None
+        try:
+            status, raw = answer.status, await answer.read()
+        except BaseException as exc:
+            answer.close()
+            raise await self._engine_failure(api, engine, recorder, exc) from None
         if status != 200:
             return await self._engine_refusal(api, recorder, status, raw, reply)
         try:
@@ -252,28 +288,20 @@ class Forwarder:
         self,
         api: Api,
         engine: Engine,
-        payload: bytes,
-        headers: dict[str, str],
+        answer: Answer,
+        release: Callable[[], None],
         recorder: RequestRecorder,
         reply: Reply,
     ) -> Response:
-        timeout = aiohttp.ClientTimeout(sock_read=self.settings.request_timeout)
-        release = self.engines.acquire(engine)
-        try:
-            resp = await self.http.post(
-                engine.url + ENGINE_PATHS[api], data=payload, headers=headers,
-                timeout=timeout,
-            )  # fmt: skip
-        except BaseException as exc:
-            release()
-            raise await self._engine_failure(api, engine, recorder, exc) from None
-        if resp.status != 200:
+        if answer.status != 200:
             try:
-                raw = await resp.read()
+                raw = await answer.read()
+            except BaseException as exc:
+                answer.close()
+                raise await self._engine_failure(api, engine, recorder, exc) from None
             finally:
-                resp.release()
                 release()
-            return await self._engine_refusal(api, recorder, resp.status, raw, reply)
+            return await self._engine_refusal(api, recorder, answer.status, raw, reply)
 
         closed = False
 
@@ -282,14 +310,14 @@ class Forwarder:
             if closed:
                 return
             closed = True
-            resp.close()  # closing the connection makes vLLM abort a generation
+            answer.close()  # the engine stops generating (vLLM aborts when its client leaves)
             release()
             if not recorder.ended:
                 await recorder.failed("client_disconnected", "the agent left before the stream")
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for chunk in self._relay(api, engine, resp, recorder, reply):
+                async for chunk in self._relay(api, engine, answer, recorder, reply):
                     yield chunk
             finally:
                 await close()
@@ -300,7 +328,7 @@ class Forwarder:
         self,
         api: Api,
         engine: Engine,
-        resp: aiohttp.ClientResponse,
+        answer: Answer,
         recorder: RequestRecorder,
         reply: Reply,
     ) -> AsyncIterator[bytes]:
@@ -309,7 +337,7 @@ class Forwarder:
         relay = _StreamRelay(api, recorder, reply)
         pending = b""
         try:
-            async for data in resp.content.iter_any():
+            async for data in answer.chunks():
                 pending += data
                 *events, pending = pending.split(b"\n\n")
                 out = b"".join([relay.event(event) for event in events])
@@ -325,10 +353,10 @@ class Forwarder:
             await recorder.failed("client_disconnected", "the agent closed the connection")
             self._count(api, 499)
             raise
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+        except (AnswerBroken, TimeoutError, orjson.JSONDecodeError) as exc:
             reason = "engine_timeout" if isinstance(exc, TimeoutError) else "engine_error"
             message = f"the engine stream broke off: {type(exc).__name__}: {exc}"
-            if isinstance(exc, aiohttp.ClientError):
+            if isinstance(exc, AnswerBroken):
                 # The connection broke (an engine killed mid-stream): the session's next
                 # requests go elsewhere unless the engine still answers its health check.
                 self.engines.suspect(engine, message)
@@ -391,7 +419,8 @@ class Forwarder:
     async def _engine_failure(
         self, api: Api, engine: Engine, recorder: RequestRecorder, exc: BaseException
     ) -> BaseException:
-        """Record why the engine could not be reached; return the error to raise."""
+        """Record why the engine gave no (whole) answer; return the error to raise: a lost
+        engine is `_EngineLost`, which sends the request to another engine."""
         if isinstance(exc, asyncio.CancelledError):
             await recorder.failed("client_disconnected", "the agent closed the connection")
             return exc
@@ -399,11 +428,17 @@ class Forwarder:
             await recorder.failed("engine_timeout", "the engine did not answer in time")
             self._count(api, 504)
             return EngineFailed("the engine did not answer in time", status=504)
-        if isinstance(exc, aiohttp.ClientError | OSError):
+        if isinstance(exc, EngineUnreachable):
             self.engines.mark_failed(engine, str(exc))
             await recorder.failed("engine_unreachable", f"{type(exc).__name__}: {exc}")
             self._count(api, 502)
-            return EngineFailed(f"the engine at {engine.url} cannot be reached: {exc}")
+            return _EngineLost(EngineFailed(f"the engine at {engine.url} cannot be reached: {exc}"))
+        if isinstance(exc, AnswerBroken):
+            message = f"the engine's answer broke off: {exc}"
+            self.engines.suspect(engine, message)
+            await recorder.failed("engine_error", message)
+            self._count(api, 502)
+            return _EngineLost(EngineFailed(f"the engine at {engine.url} broke off: {exc}"))
         await recorder.failed("proxy_error", f"{type(exc).__name__}: {exc}")
         return exc
 
@@ -436,6 +471,30 @@ class Forwarder:
         if usage:
             self.metrics.tokens.labels(kind="prompt").inc(usage.get("prompt_tokens") or 0)
             self.metrics.tokens.labels(kind="completion").inc(usage.get("completion_tokens") or 0)
+
+
+_ATTEMPTS = 3  # engines one request may be sent to, when the first ones are lost
+
+
+class _EngineLost(Exception):
+    """The engine was lost before the agent got anything: try another (recorded already)."""
+
+    def __init__(self, error: ProxyError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+@dataclass
+class _Call:
+    """What every attempt at one agent request shares."""
+
+    api: Api
+    session: Session
+    body: dict[str, Any]  #: the agent's request
+    chat: dict[str, Any]  #: what the engine is asked (chat, or the agent's completions body)
+    asked: Asked
+    translation: Translation | None
+    headers: dict[str, str]
 
 
 def _sse(data: dict[str, Any]) -> bytes:

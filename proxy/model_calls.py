@@ -10,12 +10,14 @@ These are the proxy's hot path: every turn of every agent comes through here, an
 dozens of writes. Measured here, FastAPI's routing, dependency injection and middleware layers
 (each wrapping every write) cost about as much CPU as the relay itself, so these four routes
 bypass them, all of them: `proxy.app.ProxyApp` hands every request to `ModelCalls` before
-FastAPI and Starlette see it. The body is read with its limit, the caller's key checked, and the
+FastAPI and Starlette see it. The body is read with its limit, the caller's key checked, the
+request admitted among its run's (`proxy.admission`: it may wait, or be refused with 429), and the
 `Forwarder`'s response sent as-is. Everything else (sessions, admin, metrics) goes to FastAPI.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any, Literal
@@ -23,6 +25,7 @@ from typing import Any, Literal
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from trajstore.proxy.admission import RateLimited, Ticket
 from trajstore.proxy.apis import TRANSLATIONS
 from trajstore.proxy.auth import require_session_key
 from trajstore.proxy.errors import (
@@ -33,7 +36,9 @@ from trajstore.proxy.errors import (
     from_bug,
     from_store_error,
 )
-from trajstore.proxy.wire import Api
+from trajstore.proxy.recorder import RequestRecorder, new_request_id
+from trajstore.proxy.sessions import Session
+from trajstore.proxy.wire import Api, Asked, asked_for, parse_body
 from trajstore.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -94,7 +99,9 @@ class ModelCalls:
         api, session_id = route
         shape = "messages" if api == "count_tokens" else api
         try:
-            response = await self._respond(scope, receive, api, session_id)
+            response, ticket = await self._respond(scope, receive, api, session_id)
+        except _AgentLeft:
+            return  # while its request waited: nobody to answer (the abandon is recorded)
         except ProxyError as exc:
             await send_error(send, exc, shape)
             return
@@ -105,7 +112,11 @@ class ModelCalls:
             log.exception("serving a model call failed")
             await send_error(send, from_bug(exc), shape)
             return
-        await response(scope, receive, send)
+        try:
+            await response(scope, receive, send)
+        finally:
+            if ticket is not None:
+                ticket.release()  # streamed to the end, or cut: its place goes to the next
 
     async def _respond(
         self,
@@ -113,7 +124,7 @@ class ModelCalls:
         receive: Receive,
         api: Api | Literal["count_tokens"],
         session_id: str | None,
-    ) -> Any:
+    ) -> tuple[Any, Ticket | None]:
         state = self.state()
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         session_id = session_id or headers.get("x-session-id")
@@ -130,10 +141,15 @@ class ModelCalls:
         body = await self._read_body(receive)
         session = await state.registry.ready_for_requests(session_id)
         if api == "count_tokens":
-            return await state.forwarder.count_tokens(session, body)
-        # The agent's own X-* headers go on to the engine (vLLM's X-Request-Id); its key never.
-        passed_on = {k: v for k, v in headers.items() if k.startswith("x-") and k not in _KEPT}
-        return await state.forwarder.handle(api, session, body, passed_on)
+            return await state.forwarder.count_tokens(session, body), None
+        ticket = await admit(state, api, session, body, receive)
+        try:
+            # The agent's own X-* headers go on to the engine (vLLM's X-Request-Id); its key never.
+            passed_on = {k: v for k, v in headers.items() if k.startswith("x-") and k not in _KEPT}
+            return await state.forwarder.handle(api, session, body, passed_on), ticket
+        except BaseException:
+            ticket.release()
+            raise
 
     async def _read_body(self, receive: Receive) -> bytes:
         receive = limited(receive, self.max_body_bytes)
@@ -145,6 +161,111 @@ class ModelCalls:
             parts.append(message.get("body", b""))
             if not message.get("more_body"):
                 return b"".join(parts)
+
+
+class _AgentLeft(Exception):
+    """The agent hung up while its request waited for admission."""
+
+
+async def admit(state: Any, api: Api, session: Session, body: bytes, receive: Receive) -> Ticket:
+    """Wait for the request's turn among its run's and the other runs' (`proxy.admission`).
+
+    A refusal (429) and an agent that leaves while waiting are recorded as the request's own
+    `request_received` + `request_failed`, as an engine's refusal is: nothing is dropped
+    silently.
+    """
+    admission, metrics = state.admission, state.metrics
+    admission.offer(session.run_id, session.rate_limit, session.created_at)
+    run = metrics.run_label(session.run_id)
+    try:
+        ticket: Ticket = admission.request(session.run_id)
+    except RateLimited as exc:
+        metrics.rate_limited.labels(run=run).inc()
+        metrics.requests.labels(api=api, status="429").inc()
+        await record_refusal(state, api, session, body, "rate_limited", exc.message, 429)
+        raise
+    if not ticket.ready:
+        try:
+            left = await _until_admitted(ticket, receive)
+        except BaseException:  # cancelled (the server stops): leave the queue
+            ticket.cancel()
+            raise
+        if left:
+            ticket.cancel()
+            metrics.left_queued.labels(run=run).inc()
+            metrics.requests.labels(api=api, status="499").inc()
+            message = f"the agent left after {ticket.waited:.3f}s waiting for admission"
+            await record_refusal(state, api, session, body, "client_disconnected", message, None)
+            raise _AgentLeft()
+    metrics.admitted.labels(run=run).inc()
+    if ticket.tracked:
+        metrics.admission_wait.labels(run=run).observe(ticket.waited)
+    return ticket
+
+
+async def _until_admitted(ticket: Ticket, receive: Receive) -> bool:
+    """Wait until the ticket is admitted (False) or the agent hangs up first (True).
+
+    The body is read, so the next message the server gives is the disconnect.
+    """
+
+    async def agent_left() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    assert ticket.admitted is not None
+    watcher = asyncio.ensure_future(agent_left())
+    try:
+        await asyncio.wait({ticket.admitted, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    return not ticket.ready
+
+
+async def record_refusal(
+    state: Any,
+    api: Api,
+    session: Session,
+    raw: bytes,
+    reason: str,
+    message: str,
+    status: int | None,
+) -> None:
+    """Record a request the proxy did not forward: its `request_received` (no engine chosen)
+    and its `request_failed`. A body that is not valid is a 400 instead, as it would have been."""
+    body = parse_body(api, raw)
+    translation = TRANSLATIONS.get(api)
+    if translation is None:
+        chat, asked = body, asked_for(api, body)
+    else:
+        chat, asked = translation.to_chat(body), Asked(False, False, False)
+    recorder = RequestRecorder(
+        state.registry.writer,
+        session_id=session.session_id,
+        run_id=session.run_id,
+        request_id=new_request_id(),
+        max_image_bytes=state.settings.max_image_bytes,
+        image_token_id=state.settings.image_token_id,
+    )
+    # No engine was chosen; the policy is the one the session's engine would have served.
+    engines = state.engines
+    policy_version = (
+        engines.preferred(session.session_id).policy_version
+        if engines.engines
+        else state.settings.policy_version
+    )
+    received = recorder.received_event(
+        api=api,
+        body=body,
+        chat=chat,
+        engine="",
+        policy_version=policy_version,
+        logprobs_mode=state.settings.logprobs_mode,
+        asked=asked,
+        replica=state.forwarder.replica_id,
+    )
+    await recorder.emit(received)
+    await recorder.failed(reason, message, status)
 
 
 class BodyLimit:

@@ -20,6 +20,7 @@ import numpy as np
 import orjson
 
 from trajstore.proxy.continuation import RENDERED, Ending, Plan, Turn, render_key
+from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, referenced
 from trajstore.proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
 from trajstore.store import BadEvent, EventType, EventWriter, NewEvent, request_stream
 from trajstore.store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
@@ -107,11 +108,16 @@ class RequestRecorder:
         on_completed: Callable[[Turn], None] | None = None,
         on_prompt: Callable[[Plan], None] | None = None,
         finish_reason_in_api: Callable[[str | None, Any], str | None] | None = None,
+        max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+        image_token_id: int | None = None,
     ) -> None:
         """`previous`: the session's last completed turn, which this turn's prompt and messages
         may reference; `on_completed`: told this turn as a `Turn` once it finished; `on_prompt`:
         told how the prompt reached the engine once the engine echoed it;
-        `finish_reason_in_api`: a translated API's name for a chat finish reason (`proxy.apis`)."""
+        `finish_reason_in_api`: a translated API's name for a chat finish reason (`proxy.apis`);
+        `max_image_bytes`: the largest image a chat message may carry (`proxy.images`);
+        `image_token_id`: the engine's image placeholder id, recorded with requests that carry
+        images so the projection can locate them in the prompt."""
         self.writer = writer
         self.session_id = session_id
         self.run_id = run_id
@@ -136,6 +142,10 @@ class RequestRecorder:
         self._messages: tuple[int, bytes] = (0, b"")  # chat: how many messages, as JSON
         self._render_key = b""
         self.api: str = "chat"
+        self.max_image_bytes = max_image_bytes
+        self.image_token_id = image_token_id
+        # The images recorded for the session so far (by this replica): referenced, not repeated.
+        self._images = frozenset() if previous is None else previous.images
 
     def received_event(
         self,
@@ -172,16 +182,39 @@ class RequestRecorder:
         if replica is not None:
             payload["replica"] = replica
         messages = chat.get("messages")
-        if api != "completions" and isinstance(messages, list):
-            self._messages = (len(messages), orjson.dumps(messages))
-            self._render_key = render_key(chat)
+        recorded = messages
         if api == "chat" and isinstance(messages, list):
+            # Images go into the record once per session, and the body refers to them by hash
+            # (the translated APIs refuse media). Their events follow this one at the next drain.
+            recorded = self._take_images(messages, payload)
+        if api != "completions" and isinstance(recorded, list):
+            self._messages = (len(recorded), orjson.dumps(recorded))
+            self._render_key = render_key(chat)
+        if api == "chat" and isinstance(recorded, list):
             # Only chat stores messages by reference: the other APIs' bodies are their own.
             reference = self._messages_reference()
             if reference is not None:
-                payload["body"] = {**body, "messages": messages[reference["n_messages"] :]}
+                payload["body"] = {**body, "messages": recorded[reference["n_messages"] :]}
                 payload["messages_prefix"] = reference
+            elif recorded is not messages:
+                payload["body"] = {**body, "messages": recorded}
         return self._event(EventType.REQUEST_RECEIVED, payload)
+
+    def _take_images(self, messages: list[Any], payload: dict[str, Any]) -> list[Any]:
+        """The messages as recorded: each image replaced by its reference. The images new to
+        the session wait in the outbox as `image_recorded` events; `payload` gets the count
+        and the placeholder id."""
+        found = referenced(messages, self.max_image_bytes)
+        if not found.n_images:
+            return messages
+        payload["n_images"] = found.n_images
+        if self.image_token_id is not None:
+            payload["image_token_id"] = self.image_token_id
+        for sha256, image in found.images.items():
+            if sha256 not in self._images:
+                self._outbox.append(self._event(EventType.IMAGE_RECORDED, image.payload()))
+        self._images = self._images | found.images.keys()
+        return found.messages
 
     @property
     def messages_json(self) -> bytes:
@@ -283,6 +316,7 @@ class RequestRecorder:
             self._render_key,
             endings,
             api=self.api,
+            images=self._images,
         )
 
     async def failed(self, reason: str, message: str, status: int | None = None) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trajstore.proxy.admission import RateLimit
 from trajstore.proxy.errors import BadRequest, Conflict, NotFound
 from trajstore.proxy.replicas import Replicas
 from trajstore.store import (
@@ -54,6 +55,11 @@ class CreateSession(BaseModel):
     group_id: str | None = Field(default=None, max_length=MAX_ID_LENGTH)
     metadata: dict[str, Any] = Field(default_factory=dict)
     deadline_s: float | None = Field(default=None, gt=0)
+    rate_limit: RateLimit | None = Field(
+        default=None,
+        description="Limits of the session's run on each proxy replica (`proxy.admission`): "
+        "the newest session's hold, unless the admin set the run's limits.",
+    )
 
 
 class Reward(BaseModel):
@@ -96,6 +102,9 @@ class Session:
     created_at: float = 0.0
     status: str = "active"
     discarded: str | None = None
+    #: The run's limits this session asked for; not part of its `definition()`: they are the
+    #: run's, and a later session or the admin may change them.
+    rate_limit: RateLimit | None = None
 
     def definition(self) -> dict[str, Any]:
         """What the creator asked for: two creations are the same if these are equal."""
@@ -201,14 +210,18 @@ class SessionRegistry:
             metadata=request.metadata,
             deadline_s=request.deadline_s,
             created_at=time.time(),
+            rate_limit=request.rate_limit,
         )
         existing = await self._load(session_id)
         if existing is None:
+            payload = {**wanted.definition(), "created_at": wanted.created_at}
+            if request.rate_limit is not None:  # recorded, so any replica loading it applies it
+                payload["rate_limit"] = request.rate_limit.model_dump(exclude_none=True)
             event = NewEvent(
                 EventType.SESSION_CREATED,
                 session_id=session_id,
                 run_id=request.run_id,
-                payload={**wanted.definition(), "created_at": wanted.created_at},
+                payload=payload,
             )
             try:
                 await self.store.append(
@@ -342,6 +355,16 @@ class SessionRegistry:
             created_at=record.created_at or 0.0,
             status=record.status,
             discarded=record.discarded,
+            rate_limit=_rate_limit_of(events),
         )
         self._remember(session)
         return session
+
+
+def _rate_limit_of(events: list[Any]) -> RateLimit | None:
+    """The `rate_limit` a session's `session_created` event asked for, if any."""
+    for event in events:
+        if event.type == EventType.SESSION_CREATED:
+            wanted = event.payload.get("rate_limit")
+            return None if wanted is None else RateLimit.model_validate(wanted)
+    return None

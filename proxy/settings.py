@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, MAX_STORABLE_IMAGE_BYTES
+
 
 class ProxySettings(BaseSettings):
     """How the proxy listens, which engines it serves from, and its limits."""
@@ -41,6 +43,20 @@ class ProxySettings(BaseSettings):
         description="What the engines' logprobs mean (vLLM --logprobs-mode), recorded per turn.",
     )
     max_body_bytes: int = Field(default=8 * 1024 * 1024, description="Largest request body.")
+    max_image_bytes: int = Field(
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        ge=1,
+        le=MAX_STORABLE_IMAGE_BYTES,
+        description="Largest image (decoded) a chat message may carry as a data URL; a larger "
+        "one is a 413 (`proxy.images`; at most what one event can store).",
+    )
+    image_token_id: int | None = Field(
+        default=None,
+        ge=0,
+        description="The engines' image placeholder token id (Qwen2-VL and Qwen2.5-VL: 151655, "
+        "LLaVA-1.5: 32000; the model's `image_token_id` or `image_token_index`), recorded with "
+        "requests that carry images so that samples locate each image's placeholder ids.",
+    )
     request_timeout: float = Field(
         default=600.0, description="Seconds an engine may take (between stream chunks)."
     )
@@ -89,6 +105,31 @@ class ProxySettings(BaseSettings):
         description="Seconds `finish` waits for the other replicas to store the session's events "
         "before answering 503 (retry it).",
     )
+    admission_max_in_flight: int | None = Field(
+        default=None,
+        ge=1,
+        description="Model requests this replica serves at once across all runs; the rest wait, "
+        "served one run at a time in turn so no run's burst starves another's "
+        "(`proxy.admission`; unset: no cap, only the runs' own limits apply).",
+    )
+    admission_max_queued: int | None = Field(
+        default=None,
+        ge=0,
+        description="Requests a run may have waiting on this replica when its limits set no "
+        "max_queued; one more is a 429 with Retry-After (unset: no bound).",
+    )
+    relay_tokens: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Tokens that let a relay (`trajstore relay`) dial in at /engines/connect, "
+        "besides the admin key; env: comma-separated. With neither set, any relay may.",
+    )
+
+    @field_validator("relay_tokens", mode="before")
+    @classmethod
+    def _split_relay_tokens(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [token.strip() for token in value.split(",") if token.strip()]
+        return value
 
     @field_validator("engines", mode="before")
     @classmethod

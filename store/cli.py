@@ -184,6 +184,19 @@ def migrate(
     url = database_url(_settings(ctx))
     migrations.upgrade(url, revision)
     click.echo(f"migrated to {revision}")
+    if revision == "head":
+        # The log's daily partitions, today's and a month ahead (`trajstore partitions`).
+        from trajstore.store import partitions as partitioning
+        from trajstore.store.connection import connect
+
+        async def ensure() -> list[str]:
+            conn = await connect(url)
+            try:
+                return await partitioning.ensure_partitions(conn)
+            finally:
+                await conn.close()
+
+        click.echo(f"created {len(asyncio.run(ensure()))} daily partitions of events")
     passwords = {roles.RECORDER_ROLE: recorder_password, roles.PROJECTOR_ROLE: projector_password}
     for role, password in passwords.items():
         if password:
@@ -273,9 +286,21 @@ def sql(ctx: click.Context, query: str | None, max_width: int) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Output file [default: samples.parquet or samples.jsonl].",
 )
+@click.option(
+    "--images",
+    "images_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Also write the samples' images (data URLs) into this directory, once each, as files "
+    "named by their sha256 (the `images` column's).",
+)
 @click.pass_context
 def export(
-    ctx: click.Context, runs: tuple[str, ...], statuses: tuple[str, ...], fmt: str, out: Path | None
+    ctx: click.Context,
+    runs: tuple[str, ...],
+    statuses: tuple[str, ...],
+    fmt: str,
+    out: Path | None,
+    images_dir: Path | None,
 ) -> None:
     """Write samples to Parquet or JSON Lines, one record per sample."""
     from trajstore.store import export as exporting
@@ -288,9 +313,105 @@ def export(
             task = bar.add_task(f"exporting to {path}", total=total)
             written = await exporting.export(
                 store, path, fmt=fmt, runs=list(runs), statuses=list(statuses),
-                progress=lambda n: bar.advance(task, n),
+                progress=lambda n: bar.advance(task, n), images_dir=images_dir,
             )  # fmt: skip
         click.echo(f"wrote {written} samples to {path}")
+        if images_dir is not None:
+            click.echo(f"their images are in {images_dir}, one file per sha256")
+
+    _run_with_store(ctx, run)
+
+
+@main.command()
+@click.option(
+    "--days-ahead", default=31, show_default=True, envvar="TRAJSTORE_PARTITION_DAYS_AHEAD",
+    show_envvar=True, help="Create the partitions of today and this many days more.",
+)  # fmt: skip
+@click.option(
+    "--every", type=float, envvar="TRAJSTORE_PARTITION_EVERY", show_envvar=True,
+    help="Keep running: do it again every this many seconds (unset: once, then list them).",
+)  # fmt: skip
+@click.pass_context
+def partitions(ctx: click.Context, days_ahead: int, every: float | None) -> None:
+    """Create the daily partitions of the log ahead of time, and list them (run it daily)."""
+    import asyncio
+
+    from trajstore.store import partitions as partitioning
+
+    async def run(store: EventStore) -> None:
+        while True:
+            async with store.pool.acquire() as conn:
+                created = await partitioning.ensure_partitions(conn, days_ahead=days_ahead)
+                for name in created:
+                    click.echo(f"created {name}")
+                if every is None:
+                    for p in await partitioning.list_partitions(conn):
+                        click.echo(f"{p.name}\t{p.day or 'default'}\t{p.bytes} bytes")
+                    return
+            await asyncio.sleep(every)
+
+    _run_with_store(ctx, run)
+
+
+@main.group(invoke_without_command=True)
+@click.option(
+    "--before", type=click.DateTime(["%Y-%m-%d"]),
+    help="Archive the daily partitions wholly before this UTC date (YYYY-MM-DD).",
+)  # fmt: skip
+@click.option(
+    "--out", type=click.Path(file_okay=False, path_type=Path),
+    help="Directory of the archive: one Parquet file per partition and manifest.json.",
+)  # fmt: skip
+@click.option("--keep", is_flag=True, help="Detach the partitions but do not drop them.")
+@click.pass_context
+def archive(ctx: click.Context, before: Any, out: Path | None, keep: bool) -> None:
+    """Move whole days of the log to Parquet, verified, then detach and drop them.
+
+    Refuses a day that holds an event of a session still active; drops nothing unless every
+    file read back complete. `trajstore archive show DIR SESSION_ID` rebuilds an archived
+    session.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if before is None or out is None:
+        raise click.UsageError("archive needs --before DATE and --out DIR (or: archive show)")
+    from trajstore.store import archive as archiving
+
+    async def run(store: EventStore) -> None:
+        result = await archiving.archive(store, before.date(), out, keep=keep)
+        if not result.partitions:
+            click.echo(f"no partition lies wholly before {before.date()}")
+        for p in result.partitions:
+            done = "dropped" if result.dropped else "detached (kept)"
+            click.echo(f"{p.name}: {p.rows} events to {out / p.file}, verified; {done}")
+
+    _run_with_store(ctx, run)
+
+
+@archive.command("show")
+@click.argument("directory", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.argument("session_id")
+@click.option(
+    "--what", type=click.Choice(["timeline", "samples"]), default="timeline", show_default=True
+)
+@click.pass_context
+def archive_show(ctx: click.Context, directory: Path, session_id: str, what: str) -> None:
+    """Rebuild SESSION_ID from the archive in DIRECTORY (and the log's later events), as JSON."""
+    import dataclasses
+    import json
+
+    from trajstore.store import archive as archiving
+
+    async def run(store: EventStore) -> None:
+        live = await store.read_session(session_id)
+        rebuilt = archiving.rebuild_archived_session(directory, session_id, live)
+        items = rebuilt.timeline if what == "timeline" else rebuilt.samples
+        for item in items:
+            record = {
+                k: (v.hex() if isinstance(v, bytes) else v)
+                for k, v in dataclasses.asdict(item).items()
+            }
+            click.echo(json.dumps(record, default=str))
 
     _run_with_store(ctx, run)
 

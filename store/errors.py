@@ -13,6 +13,7 @@
     ├── SchemaNotReady              the database has not been migrated (`trajstore migrate`)
     ├── BadQuery                    a query given by a person (`trajstore sql`) failed
     ├── SessionNotFound             no events of this session (as of the position asked)
+    ├── ArchiveError                archiving refused or failed: nothing was dropped
     └── EmbeddedServerError         the private PostgreSQL could not be set up, started or stopped
 
 Driver errors (asyncpg, OS errors) are re-raised as the most specific of these, `from` the
@@ -100,3 +101,7 @@ class MigrationBlocked(StoreError):
 
 class EmbeddedServerError(StoreError):
     """The embedded PostgreSQL server could not be set up, started or stopped."""
+
+
+class ArchiveError(StoreError):
+    """Archiving was refused or failed; no partition was detached or dropped."""

@@ -56,6 +56,7 @@ class EventType(StrEnum):
     SESSION_DISCARDED = "session_discarded"
     POLICY_VERSION_SET = "policy_version_set"
     TRAINING_STEP = "training_step"
+    IMAGE_RECORDED = "image_recorded"
 
 
 #: The facts after which a session's samples must be (re)built, and that proxy replicas follow:

@@ -6,12 +6,20 @@ lengths, tool turns, finish reason, and provenance (run, session, task, group, b
 requests it came from, engines, policy versions, projection version, divergence). Parquet files
 read back with `pandas.read_parquet` and `datasets.load_dataset("parquet", ...)`.
 
+Images: the `images` column lists a sample's images in order, each with its sha256, source
+(data or url), url, media type and the [start, end) of its placeholder ids in `token_ids`
+(`store.samples`); the messages carry `trajstore-image:sha256:<hex>` in their place. With
+`images_dir`, each data image the exported samples use is written there once, as a file named
+by its sha256 (checked against the bytes); URL images are the URL's to fetch.
+
 Samples are read from the served projection version in batches, so an export of any size runs
 in bounded memory; `progress` is told how many records each batch wrote.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +37,18 @@ from trajstore.store.sessions import whole_messages
 FORMATS = ("parquet", "jsonl")
 
 _TOKENS = pa.list_(pa.int32())
+
+#: One image of a sample (`store.samples`): start and end are null where it was not located.
+IMAGE = pa.struct(
+    [
+        ("sha256", pa.string()),
+        ("source", pa.string()),
+        ("url", pa.string()),
+        ("media_type", pa.string()),
+        ("start", pa.int32()),
+        ("end", pa.int32()),
+    ]
+)
 
 #: The Parquet schema; JSONL records carry the same fields.
 SCHEMA = pa.schema(
@@ -59,6 +79,7 @@ SCHEMA = pa.schema(
         ("divergence", pa.string()),  # JSON, or null for a session's first branch
         ("projection_version", pa.int32()),
         ("finished_at", pa.timestamp("us", tz="UTC")),
+        ("images", pa.list_(IMAGE)),
     ]
 )
 
@@ -150,7 +171,47 @@ def _record(row: Any, conversations: dict[str, Any]) -> dict[str, Any]:
         "divergence": None if row["divergence"] is None else bytes(row["divergence"]).decode(),
         "projection_version": row["projection_version"],
         "finished_at": row["finished_at"],
+        "images": [] if row["images"] is None else orjson.loads(row["images"]),
     }
+
+
+async def write_images(
+    store: EventStore, batch: list[dict[str, Any]], directory: Path, written: set[str]
+) -> None:
+    """Write the data images `batch` uses into `directory`, one file per sha256, named by it;
+    those in `written` or already there are skipped. Bytes whose hash is not the one they were
+    recorded under (a damaged log) raise `ValueError` rather than be written."""
+    wanted: dict[str, str] = {}  # sha256 -> a session that recorded it
+    for record in batch:
+        for image in record["images"]:
+            sha256 = image.get("sha256")
+            if image.get("source") != "data" or not sha256 or sha256 in written:
+                continue
+            wanted.setdefault(sha256, record["session_id"])
+    wanted = {s: session for s, session in wanted.items() if not _present(directory, s, written)}
+    if not wanted:
+        return
+    rows = await store.pool.fetch(queries.READ_IMAGES, sorted(set(wanted.values())), sorted(wanted))
+    for row in rows:
+        _store_image(directory, row["sha256"], base64.b64decode(row["data"]))
+        written.add(row["sha256"])
+
+
+def _present(directory: Path, sha256: str, written: set[str]) -> bool:
+    if (directory / sha256).exists():
+        written.add(sha256)
+        return True
+    return False
+
+
+def _store_image(directory: Path, sha256: str, data: bytes) -> None:
+    """One image's file, whole or not at all (written aside, then renamed)."""
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"the image recorded as sha256 {sha256} has other bytes")
+    directory.mkdir(parents=True, exist_ok=True)
+    part = directory / f".{sha256}.part"
+    part.write_bytes(data)
+    part.replace(directory / sha256)
 
 
 def _list_array(arrays: list[np.ndarray[Any, Any]], kind: pa.DataType) -> pa.Array:
@@ -184,16 +245,21 @@ async def export(
     runs: list[str] | None = None,
     statuses: list[str] | None = None,
     progress: Callable[[int], None] | None = None,
+    images_dir: Path | None = None,
 ) -> int:
-    """Write the selected samples to `out`; return how many records were written."""
+    """Write the selected samples to `out`; return how many records were written. With
+    `images_dir`, also the bytes of their data images, one file per sha256 (`write_images`)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
+    images_written: set[str] = set()
     written = 0
     writer: pq.ParquetWriter | None = None
     with out.open("wb") as sink:
         if fmt == "parquet":
             writer = pq.ParquetWriter(sink, SCHEMA)
         async for batch in records(store, runs or [], statuses or []):
+            if images_dir is not None:
+                await write_images(store, batch, images_dir, images_written)
             if writer is not None:
                 writer.write_table(_table(batch))
             else:

@@ -82,6 +82,7 @@ def sample_row(sample: Sample, last_position: int, version: int) -> tuple[Any, .
         session.recorded_created_at,
         session.recorded_finished_at,
         *_integer_versions(sample.policy_versions),
+        sample.images or None,
     )
 
 

@@ -54,13 +54,18 @@ RETURNING event_id, position
 #: Serialises appends with ExpectedVersion.ANY to one stream until the transaction ends.
 LOCK_STREAM = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))"
 
-STREAM_VERSION = "SELECT coalesce(max(stream_version), 0) FROM events WHERE stream_id = $1"
+# Event ids and stream versions are unique across partitions in `event_keys` (`store.schema`),
+# which also remembers each stream's last version after its events were archived.
+STREAM_VERSION = "SELECT coalesce(max(stream_version), 0) FROM event_keys WHERE stream_id = $1"
 
 FIND_EVENTS = """
-SELECT event_id, position, stream_id, stream_version FROM events WHERE event_id = ANY($1::uuid[])
+SELECT k.event_id, e.position, k.stream_id, k.stream_version
+FROM event_keys k
+JOIN events e ON e.stream_id = k.stream_id AND e.stream_version = k.stream_version
+WHERE k.event_id = ANY($1::uuid[])
 """
 
-EXISTING_EVENT_IDS = "SELECT event_id FROM events WHERE event_id = ANY($1::uuid[])"
+EXISTING_EVENT_IDS = "SELECT event_id FROM event_keys WHERE event_id = ANY($1::uuid[])"
 
 READ_STREAM = f"""
 SELECT {EVENT_COLUMNS} FROM events
@@ -112,6 +117,75 @@ READ_FACTS = read_types(SESSION_FACTS)
 
 TX_ID_OF_POSITION = "SELECT tx_id FROM events WHERE position = $1"
 
+# -- partitions of events (`store.partitions`, `store.archive`) --------------------------------
+
+#: Give a new partition's indexes their parent's name and the partition's suffix, so that plans
+#: name them recognisably (`ix_events_session_facts_20261125`, not `events_20261125_tx_id_idx1`).
+NAME_PARTITION_INDEXES = """
+DO $$
+DECLARE
+    idx record;
+BEGIN
+    FOR idx IN SELECT c.relname AS child, p.relname AS parent FROM pg_inherits i
+               JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_class p ON p.oid = i.inhparent
+               JOIN pg_index x ON x.indexrelid = c.oid
+               WHERE x.indrelid = '{partition}'::regclass
+    LOOP
+        EXECUTE format('ALTER INDEX %I RENAME TO %I', idx.child, idx.parent || '_{suffix}');
+    END LOOP;
+END
+$$"""
+
+#: The partitions of events with their bounds, oldest first (the default one has no bounds).
+PARTITIONS = """
+SELECT c.relname AS name, pg_get_expr(c.relpartbound, c.oid) AS bound,
+       pg_total_relation_size(c.oid) AS bytes
+FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = 'events'::regclass
+ORDER BY c.relname
+"""
+
+
+def read_partition(name: str) -> str:
+    """Every event of one partition, every column (the payload as the JSON text PostgreSQL
+    prints), in log order: what an archive file holds."""
+    return f"""
+SELECT position, tx_id, event_id, stream_id, stream_version, session_id, run_id, event_type,
+       recorded_at, payload::text, token_ids, logprobs
+FROM {name} ORDER BY tx_id, position
+"""
+
+
+def partition_positions(name: str) -> str:
+    """How many events one partition holds, and their positions in order."""
+    return f"SELECT position FROM {name} ORDER BY position"
+
+
+def active_sessions_in(name: str) -> str:
+    """The sessions with an event in partition `name` that are still active: created and never
+    finished (what the proxy's reaper watches, `ACTIVE_SESSION_STREAMS`)."""
+    return f"""
+SELECT DISTINCT p.session_id FROM {name} p
+WHERE p.session_id IS NOT NULL
+  AND EXISTS (SELECT FROM events c WHERE c.session_id = p.session_id
+              AND c.event_type = 'session_created')
+  AND NOT EXISTS (SELECT FROM events f WHERE f.session_id = p.session_id
+                  AND f.event_type = 'session_finished')
+ORDER BY 1
+"""
+
+
+def forget_keys_of(name: str) -> str:
+    """Forget the uniqueness keys of a partition's events, except each stream's last version:
+    stream versions keep increasing past archived events (`STREAM_VERSION`)."""
+    return f"""
+DELETE FROM event_keys k USING {name} p
+WHERE k.event_id = p.event_id
+  AND k.stream_version < (SELECT max(m.stream_version) FROM event_keys m
+                          WHERE m.stream_id = k.stream_id)
+"""
+
+
 SNAPSHOT_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())"
 
 SNAPSHOT_XMAX = "SELECT pg_snapshot_xmax(pg_current_snapshot())"
@@ -155,7 +229,7 @@ SAMPLE_COLUMNS = (
     "alternative_of", "is_final", "status", "finish_reason", "reward", "token_ids", "loss_mask",
     "logprobs", "prompt_len", "response_len", "n_turns", "tool_turns", "policy_versions",
     "engines", "divergence", "last_position", "tags", "request_ids", "created_at",
-    "finished_at", "policy_version_min", "policy_version_max",
+    "finished_at", "policy_version_min", "policy_version_max", "images",
 )  # fmt: skip
 
 #: The version readers are served; FOR SHARE so a rebuild's switch waits for batches in flight.
@@ -233,6 +307,15 @@ SELECT stream_id, 'request_received' AS event_type, payload FROM asked
 UNION ALL
 SELECT stream_id, event_type, payload FROM events
 WHERE stream_id = ANY($1::text[]) AND event_type = 'completion_finished'
+"""
+
+#: The bytes of data images, by hash, from the sessions that recorded them (`image_recorded`;
+#: `trajstore export --images`). An image recorded twice (another replica) comes once.
+READ_IMAGES = """
+SELECT DISTINCT ON (payload ->> 'sha256') payload ->> 'sha256' AS sha256, payload ->> 'data' AS data
+FROM events
+WHERE session_id = ANY($1::text[]) AND event_type = 'image_recorded'
+  AND payload ->> 'source' = 'data' AND payload ->> 'sha256' = ANY($2::text[])
 """
 
 # -- time travel ----------------------------------------------------------------------------------

@@ -67,12 +67,15 @@ CREATE = [
     f"GRANT USAGE ON SCHEMA public TO {RECORDER_ROLE}, {PROJECTOR_ROLE}",
     f"GRANT SELECT, INSERT ON events TO {RECORDER_ROLE}",
     f"GRANT SELECT ON events TO {PROJECTOR_ROLE}",
+    # Appends look up stored ids and stream versions there; only the trigger writes it.
+    f"GRANT SELECT ON event_keys TO {RECORDER_ROLE}",
     f"GRANT SELECT, INSERT, UPDATE, DELETE ON {PROJECTOR_TABLES} TO {PROJECTOR_ROLE}",
 ]
 
 #: What `downgrade` runs, in order, before the tables go (the roles stay: see above).
 DROP = [
     f"REVOKE SELECT, INSERT, UPDATE, DELETE ON {PROJECTOR_TABLES} FROM {PROJECTOR_ROLE}",
+    f"REVOKE SELECT ON event_keys FROM {RECORDER_ROLE}",
     f"REVOKE SELECT ON events FROM {PROJECTOR_ROLE}",
     f"REVOKE SELECT, INSERT ON events FROM {RECORDER_ROLE}",
     f"REVOKE USAGE ON SCHEMA public FROM {RECORDER_ROLE}, {PROJECTOR_ROLE}",

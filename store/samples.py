@@ -25,7 +25,11 @@ Deliberate choices, each tested:
   of the grammar-masked distribution, not the model's (see `TurnRecord.constrained_by`); the
   trainer leaves tokens without behaviour logprobs out of the importance-weighted loss;
 - every branch of a session carries the session's reward (the episode's outcome) and says
-  whether it is the final branch (`is_final`).
+  whether it is the final branch (`is_final`);
+- a sample's images are those of its last turn's messages, in order, each with its hash, where
+  it came from (data or URL) and the [start, end) of its placeholder ids in the sample's tokens
+  (`store.images.image_spans`); the span is None when the engine's placeholder id was not
+  recorded or its runs do not match the images one for one.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from trajstore.store.images import image_hashes, image_spans
 from trajstore.store.sessions import ChoiceRecord, SessionRecord, TurnRecord
 from trajstore.store.tokens import (
     LOGPROB_DTYPE,
@@ -110,6 +115,8 @@ class Sample:
     # generated it (None for prompt and glue).
     _runs: list[tuple[int, bytes | None]] = field(default_factory=list, repr=False)
     response_len: int = 0  #: tokens the model generated in this sample (loss mask 1)
+    #: Its images, in order: {sha256, source, url, media_type, start, end} (see the module).
+    images: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
@@ -260,7 +267,34 @@ def build_samples(session: SessionRecord) -> list[Sample]:
     branches = [s for s in samples if s.alternative_of is None]
     if branches:
         branches[-1].is_final = True
+    for sample in samples:
+        if session.turns[sample.turns[-1]].n_images:
+            sample.images = _images_of(sample)
     return samples
+
+
+def _images_of(sample: Sample) -> list[dict[str, Any]]:
+    """The images of a sample's last turn, located in its tokens (None spans: not located)."""
+    session = sample.session
+    turn = session.turns[sample.turns[-1]]
+    hashes = image_hashes(turn.body.get("messages"))
+    generated = sample.mask_array().astype(bool)
+    spans = image_spans(sample.token_array(), generated, turn.image_token_id, len(hashes))
+    images = []
+    for n, sha256 in enumerate(hashes):
+        recorded = session.images.get(sha256 or "", {})
+        start, end = (None, None) if spans is None else spans[n]
+        images.append(
+            {
+                "sha256": sha256,
+                "source": recorded.get("source"),
+                "url": recorded.get("url"),
+                "media_type": recorded.get("media_type"),
+                "start": start,
+                "end": end,
+            }
+        )
+    return images
 
 
 def final_branch(samples: Sequence[Sample]) -> Sample | None:

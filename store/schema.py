@@ -40,6 +40,8 @@ from trajstore.store import queries, roles, views
 NOTIFY_CHANNEL = "trajstore_events"
 #: Notified when a transaction inserts a session fact (finish, discard, reward); no payload.
 FACTS_CHANNEL = "trajstore_facts"
+#: The partition of `events` for rows outside every day's partition.
+DEFAULT_PARTITION = "events_default"
 
 
 class XID8(UserDefinedType[int]):
@@ -65,7 +67,7 @@ metadata = MetaData(
 events = Table(
     "events",
     metadata,
-    Column("position", BigInteger, Identity(always=True), primary_key=True),
+    Column("position", BigInteger, Identity(always=True), nullable=False),
     # The id of the writing transaction: readers order by (tx_id, position) and never read past
     # the oldest transaction still in flight, so a slow commit is never skipped.
     Column("tx_id", XID8, nullable=False, server_default=text("pg_current_xact_id()")),
@@ -79,8 +81,10 @@ events = Table(
     Column("payload", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("token_ids", LargeBinary),  # little-endian int32, see store.tokens
     Column("logprobs", LargeBinary),  # little-endian float32, one per token id
-    UniqueConstraint("event_id"),
-    UniqueConstraint("stream_id", "stream_version"),
+    # A partitioned table's unique constraints must include its partition key, which makes them
+    # per partition: the global uniqueness of event ids and stream versions lives in `event_keys`.
+    PrimaryKeyConstraint("position", "recorded_at"),
+    Index(None, "stream_id", "stream_version"),
     Index(None, "tx_id", "position"),
     # read_session: a session's events in log order, straight from the index, no sort.
     Index(None, "session_id", "tx_id", "position"),
@@ -100,6 +104,26 @@ events = Table(
         "event_type",
         postgresql_where=text("event_type IN ('session_created', 'session_finished')"),
     ),
+    # Daily range partitions (`store.partitions`) so that retention detaches whole days
+    # (`store.archive`) instead of deleting rows from an append-only log.
+    postgresql_partition_by="RANGE (recorded_at)",
+)
+
+#: The guard of the log's global uniqueness: one row per stored event, filled by a statement
+#: trigger on `events` from its transition table (one set-based INSERT per COPY or INSERT). Its
+#: unique indexes refuse a second event with the same id or the same (stream, version) across
+#: every partition, exactly as `events`' own did before it was partitioned; the writer and
+#: `EventStore.append` tell conflicts from retries by the same UniqueViolation as before.
+#: Archiving forgets the keys of archived events except each stream's last version, which keeps
+#: stream versions increasing (`queries.STREAM_VERSION` reads it).
+event_keys = Table(
+    "event_keys",
+    metadata,
+    Column("event_id", UUID(as_uuid=True), nullable=False),
+    Column("stream_id", Text, nullable=False),
+    Column("stream_version", BigInteger, nullable=False),
+    PrimaryKeyConstraint("event_id"),
+    UniqueConstraint("stream_id", "stream_version"),
 )
 
 
@@ -145,6 +169,9 @@ samples = Table(
     # Integer policy versions of the sample's turns (NULL when one is not an integer).
     Column("policy_version_min", BigInteger),
     Column("policy_version_max", BigInteger),
+    # The images in the sample's messages: [{sha256, source, url, media_type, start, end}], the
+    # span that of their placeholder ids in token_ids (`store.samples`); NULL for none.
+    Column("images", JSONB),
     # Live readers (the trainer) tail rows in (projected_tx, projected_seq) order below the
     # horizon, exactly as readers of the log do (see queries.READ_ALL).
     Column("projected_tx", XID8, nullable=False, server_default=text("pg_current_xact_id()")),
@@ -189,6 +216,30 @@ BEGIN
               HINT = 'Append a new event (a correction, a discard) instead of changing one.';
 END
 $$"""
+    ),
+    # Rows that fall on no day's partition (maintenance fell behind) land here rather than being
+    # refused; `trajstore partitions` reports them. It is never archived.
+    _ddl(f"CREATE TABLE {DEFAULT_PARTITION} PARTITION OF events DEFAULT"),
+    _ddl(
+        queries.NAME_PARTITION_INDEXES.format(
+            partition=DEFAULT_PARTITION, suffix="default"
+        ).replace("%", "%%")
+    ),
+    _ddl(
+        """
+CREATE FUNCTION trajstore_guard_keys() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = public AS $$
+BEGIN
+    INSERT INTO event_keys (event_id, stream_id, stream_version)
+    SELECT event_id, stream_id, stream_version FROM appended;
+    RETURN NULL;
+END
+$$"""
+    ),
+    # SECURITY DEFINER: the recorder role may insert events but not touch event_keys.
+    _ddl(
+        "CREATE TRIGGER events_keys AFTER INSERT ON events REFERENCING NEW TABLE AS appended "
+        "FOR EACH STATEMENT EXECUTE FUNCTION trajstore_guard_keys()"
     ),
     _ddl(
         "CREATE TRIGGER events_no_update BEFORE UPDATE ON events "

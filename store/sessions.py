@@ -14,7 +14,14 @@ A session's events live in two kinds of streams (see `store.events`):
                           policy_version, logprobs_mode, stream, asked: {token_ids, logprobs,
                           usage}, received_at}; or, when the request's messages continue an
                           earlier turn's, also {messages_prefix: {request_id, n_messages}} and
-                          body.messages = the messages after the first n_messages (see below)
+                          body.messages = the messages after the first n_messages (see below).
+                          With images in its messages: {n_images, image_token_id} (how many
+                          image parts the whole messages hold; the engine's placeholder id,
+                          when the proxy was told it) and each image's URL in body replaced by
+                          a reference, `trajstore-image:sha256:<hex>` (`store.images`)
+    image_recorded       {sha256, source: data, media_type, n_bytes, data (base64)} or
+                          {sha256, source: url, url}: one per image that this request brings
+                          into the session (see below); right after request_received
     prompt_tokens        token_ids = the prompt the engine saw; {choice: null}; or, when the
                          prompt continues an earlier turn of the session, {choice: null,
                          prefix: {request_id, n_tokens}, n_tokens} and token_ids = the prompt
@@ -50,6 +57,13 @@ referenced request's whole messages (exactly `n_messages` of them) followed by `
 An agent re-sends its whole conversation every turn, so storing each body whole made the bodies
 most of an agent session's bytes. `rebuild_session`, the `turns` view and the export give whole
 messages.
+
+Images are recorded once per session the same way: a request whose messages hold an image the
+proxy replica has not yet recorded for the session writes it as `image_recorded` (the sha256 is
+that of a data URL's decoded bytes, or of an http URL's text); every body then refers to it by
+hash. After a restart, on another replica, or after a failed turn, an image may be recorded
+again: same hash, same content; readers keep one. A reference whose image the session's events
+do not hold leaves the image's source unknown, never the tokens.
 """
 
 from __future__ import annotations
@@ -122,6 +136,8 @@ class TurnRecord:
     messages_prefix: dict[str, Any] | None = None  # body.messages continue that request's
     prompt_source: str | None = None  # chat: continued | rendered (None: recorded before it)
     continuation: dict[str, Any] | None = None  # {choice, drift_at} or {fallback}
+    n_images: int = 0  # image parts in its whole messages
+    image_token_id: int | None = None  # the engine's image placeholder id, when recorded
 
     @property
     def constrained_by(self) -> str | None:
@@ -198,6 +214,9 @@ class SessionRecord:
     rewards: list[dict[str, Any]] = field(default_factory=list)
     turns: list[TurnRecord] = field(default_factory=list)
     n_events: int = 0
+    #: The images its requests recorded, by sha256: {source, media_type, n_bytes, url}, without
+    #: the bytes (`image_recorded`; the export writes those).
+    images: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def reward(self) -> float | None:
@@ -221,6 +240,7 @@ class SessionRecord:
             "rewards": self.rewards,
             "turns": [t.as_json() for t in self.turns],
             "n_events": self.n_events,
+            "images": self.images,
         }
 
 
@@ -257,6 +277,7 @@ _CREATED = EventType.SESSION_CREATED.value
 _REWARD = EventType.REWARD_ASSIGNED.value
 _SESSION_FINISHED = EventType.SESSION_FINISHED.value
 _DISCARDED = EventType.SESSION_DISCARDED.value
+_IMAGE = EventType.IMAGE_RECORDED.value
 
 
 def rebuild_session(
@@ -311,6 +332,8 @@ def rebuild_session(
                 first_position=event.position,
                 received_at=payload.get("received_at"),
                 messages_prefix=payload.get("messages_prefix"),
+                n_images=int(payload.get("n_images") or 0),
+                image_token_id=payload.get("image_token_id"),
             )
             turns[stream] = turn
             session.turns.append(turn)
@@ -352,6 +375,13 @@ def rebuild_session(
             session.recorded_finished_at = event.recorded_at
         elif kind == _DISCARDED:
             session.discarded = event.payload.get("reason") or "discarded"
+        elif kind == _IMAGE:
+            payload = event.payload
+            sha256 = payload.get("sha256")
+            if isinstance(sha256, str) and sha256 not in session.images:
+                session.images[sha256] = {
+                    key: payload.get(key) for key in ("source", "media_type", "n_bytes", "url")
+                }
         # else: a newer event type; a reader of today ignores what it does not know
     _in_request_order(session.turns)
     _resolve_messages(turns)

@@ -103,7 +103,8 @@ class Entry:
 
     position: int  #: the event's position: pass it to `--as-of` to see the session then
     at_s: float  #: seconds since the session's first event (when the store recorded them)
-    kind: str  #: created | request | completion | failure | reward | finished | discarded | other
+    #: created | request | completion | failure | reward | finished | discarded | image | other
+    kind: str
     turn: int | None = None  #: index of the model request, for request/completion/failure
     details: dict[str, Any] = field(default_factory=dict)
 
@@ -210,6 +211,8 @@ def _entry(
             return "discarded", payload
         case EventType.PROMPT_TOKENS | EventType.COMPLETION_CHUNK:
             return None  # folded into the request's completion or failure entry
+        case EventType.IMAGE_RECORDED:  # what it is, not its bytes
+            return "image", {k: v for k, v in payload.items() if k != "data"}
         case _:
             return "other", {"type": event.type, **payload}
 

@@ -31,7 +31,7 @@ from trajstore.vllm_server import CPU_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAJSTORE_IMAGES = {"trajstore:latest", "trajstore:vllm-cpu"}
-CORE = {"postgres", "migrate", "proxy", "projector"}
+CORE = {"postgres", "migrate", "partitions", "proxy", "projector"}
 YOUR_ENGINES = "http://host.docker.internal:8000,http://host.docker.internal:8001"
 # What a user types, as environments: nothing; the GPU switch; their own engines and none of ours.
 SWITCHES: dict[str, dict[str, str]] = {
@@ -138,9 +138,13 @@ def test_the_default_password_is_for_a_stack_published_on_127_0_0_1_only() -> No
         )
 
 
-def test_only_the_migration_holds_the_owners_password() -> None:
+def test_only_the_maintenance_holds_the_owners_password() -> None:
     services = every_service(TRAJSTORE_DB_PASSWORD="s3cret").services
     migrate = services["migrate"]["environment"]
+    # Migrations and partition upkeep are DDL; neither serves anything nor publishes a port.
+    holders = [n for n, s in services.items() if "s3cret" in str(s.get("environment"))]
+    assert sorted(holders) == ["migrate", "partitions", "postgres"]
+    assert "ports" not in services["partitions"] and "ports" not in services["migrate"]
     # The proxy and the projector get their role's URL from a volume of their own, which the
     # migration writes; the owner's URL (and password) reaches neither.
     for name, role in (("proxy", "RECORDER"), ("projector", "PROJECTOR")):
@@ -188,7 +192,7 @@ def test_every_trajstore_command_in_compose_is_a_real_cli_command() -> None:
         )  # fmt: skip
         assert done.returncode == 0, f"{name}: trajstore {service['command']}: {done.stderr}"
         checked.append(service["command"][0])
-    assert sorted(checked) == ["migrate", "project", "proxy"]
+    assert sorted(checked) == ["migrate", "partitions", "project", "proxy"]
 
 
 def test_the_cpu_engine_serves_the_tiny_model_with_the_flags_the_tests_use(

@@ -11,6 +11,7 @@ from trajstore.store.cli import main
 main.lazy.update(
     {
         "proxy": "trajstore.proxy.cli:proxy",
+        "relay": "trajstore.proxy.cli:relay",
         "replay": "trajstore.trainer.cli:replay",
         "up": "trajstore.stack:up",
         "demo": "trajstore.demo:demo",

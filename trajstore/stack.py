@@ -28,6 +28,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+import asyncpg
 import click
 
 from trajstore.proxy.cli import engine_urls, free_port_from, proxy_settings, store_settings_of
@@ -169,8 +170,11 @@ class Backends:
 
 
 @contextlib.contextmanager
-def backends(store_settings: StoreSettings, engines: list[str]) -> Iterator[Backends]:
-    """Start (or connect to) PostgreSQL, migrate it, start a local vLLM when no engine is named;
+def backends(
+    store_settings: StoreSettings, engines: list[str], *, local_engine: bool = True
+) -> Iterator[Backends]:
+    """Start (or connect to) PostgreSQL, migrate it, start a local vLLM when no engine is named
+    (unless not `local_engine`: engines will dial in through relays);
     stop, on the way out, what was started here (the embedded server only if it was not
     running before)."""
     from trajstore.store import migrations, roles
@@ -181,10 +185,11 @@ def backends(store_settings: StoreSettings, engines: list[str]) -> Iterator[Back
         with _sigterm_as_interrupt():
             url, sql_url, embedded = _database(store_settings)
             migrations.upgrade(url)
-            if not engines:
+            if not engines and local_engine:
                 vllm = _start_local_vllm(store_settings.data_dir)
                 engines = [vllm.start()]
-            model = LOCAL_MODEL_NAME if vllm else served_model_name(engines[0]) or "MODEL"
+            named = served_model_name(engines[0]) if engines else None
+            model = LOCAL_MODEL_NAME if vllm else named or "MODEL"
         model_dir = vllm.model_dir if vllm else None
         embedded_in_use = not store_settings.database_url
         recorder, projector = (
@@ -220,6 +225,7 @@ def up(
     next_free_port: bool,
     public_url: str | None,
     policy_version: str,
+    relays_only: bool,
     poll_interval: float,
     ui_port: int,
     no_ui: bool,
@@ -227,11 +233,12 @@ def up(
     """Run the local stack: database, migrations, proxy, live projector (and vLLM if needed),
     and the trajectory viewer.
 
-    With no --engine, starts a local vLLM on a generated tiny model. Ctrl-C stops all of it.
+    With no --engine (and no --relays-only), starts a local vLLM on a generated tiny model.
+    Ctrl-C stops all of it.
     """
     urls = engine_urls(engines)
     settings = proxy_settings(urls, host, port, next_free_port, public_url, policy_version)
-    with backends(store_settings_of(ctx), urls) as found:
+    with backends(store_settings_of(ctx), urls, local_engine=not relays_only) as found:
         settings.engines = found.engines
         ui = None if no_ui else viewer_settings(settings.host, ui_port, found.model_dir)
 
@@ -239,7 +246,8 @@ def up(
             lines = [
                 f"proxy:     {proxy_url}",
                 f"viewer:    {ui_url}/ (read-only)" if ui_url else f"viewer:    {_NO_VIEWER}",
-                f"engines:   {', '.join(found.engines)}" + (" (local vLLM)" * found.local_vllm),
+                f"engines:   {', '.join(found.engines) or 'those whose relays dial in'}"
+                + (" (local vLLM)" * found.local_vllm),
                 f"sql:       {found.sql_url}",
                 "projector: live, finished sessions become rows of `samples`",
                 "an agent, in five lines (pip install openai httpx):",
@@ -317,6 +325,7 @@ async def serving(
     server = Server(config)
     store = await EventStore.open(projector_url or database_url)
     projecting = asyncio.create_task(Projector(store).run_forever(poll_interval))
+    upkeep = asyncio.create_task(_keep_partitions(database_url))
     serve = asyncio.create_task(server.serve())
     try:
         # uvicorn offers a `started` flag, no event to await.
@@ -338,10 +347,30 @@ async def serving(
         try:
             await serve
         finally:
-            projecting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await projecting
+            for task in (projecting, upkeep):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await store.close()
+
+
+async def _keep_partitions(database_url: str, every: float = 3600.0) -> None:
+    """The log's daily partitions a month ahead while the stack runs (`trajstore partitions`);
+    a database user without the right to create them is told once, and nothing else changes."""
+    from trajstore.store import partitions
+    from trajstore.store.connection import connect
+    from trajstore.store.errors import StoreError
+
+    while True:
+        try:
+            conn = await connect(database_url, application_name="trajstore-partitions")
+            try:
+                await partitions.ensure_partitions(conn)
+            finally:
+                await conn.close()
+        except (StoreError, asyncpg.PostgresError) as exc:
+            log.warning("could not create the log's partitions ahead: %s", exc)
+        await asyncio.sleep(every)
 
 
 async def _serve_until_signal(

@@ -67,8 +67,8 @@ def text_content(parts: list[str]) -> str | list[dict[str, str]]:
 def refuse_media(kind: Any, param: str) -> BadRequest:
     """The 400 for content the proxy cannot pass on yet."""
     return BadRequest(
-        f"content of type {kind!r} is not supported: send text only "
-        "(images and files wait for multi-modal recording)",
+        f"content of type {kind!r} is not supported on this API: send text only, or send "
+        "images as image_url parts on the chat API (/v1/chat/completions), which records them",
         param=param,
     )
 

@@ -15,6 +15,10 @@ Tokenisation is fake but keeps the property the recorder relies on:
   (``ignore_token_prompts=True``: an engine that renders the messages anyway;
   ``rewrite_replies=True``: a template that is not append-only, see ``chat_prompt_ids``).
 - generated ids lie in [5, 500); eos is id 2 with text ``<|im_end|>`` and no content.
+- ``vision=True``: a vision-language model's prompt, as vLLM reports it for Qwen2-VL: each
+  ``image_url`` part becomes ``<|vision_start|>``, ``<|image_pad|>`` repeated
+  ``image_token_count(url)`` times (vLLM: once per image feature, from the image's size), and
+  ``<|vision_end|>``, with Qwen2-VL's ids. Without it, image parts add nothing, as before.
 
 So, as with vLLM, when the assistant reply is replayed unchanged turn k+1's prompt starts with
 turn k's prompt + completion ids: a reply cut by ``length`` is followed by the template's
@@ -38,6 +42,8 @@ import orjson
 from aiohttp import web
 
 IM_START, EOS, NEWLINE = 1, 2, 203
+#: Qwen2-VL's <|vision_start|>, <|vision_end|> and <|image_pad|> (its config's image_token_id).
+VISION_START, VISION_END, IMAGE_PAD = 151652, 151653, 151655
 MAX_MODEL_LEN = 2048
 FINGERPRINT = "vllm-0.32.0-fake"
 FAULTS = frozenset({"error-400", "error-500", "slow", "stall-mid-stream", "drop-mid-stream"})
@@ -72,17 +78,42 @@ def _content(tid: int) -> str:
     return "" if tid == EOS else token_text(tid)
 
 
+def image_token_count(url: str) -> int:
+    """How many placeholder ids the fake VLM gives the image at `url`: 4 to 8, by its text."""
+    return 4 + zlib.crc32(url.encode()) % 5
+
+
+def _image_ids(part: JSON) -> list[int]:
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    return [VISION_START, *[IMAGE_PAD] * image_token_count(str(url)), VISION_END]
+
+
 def chat_prompt_ids(
-    messages: list[JSON], generation: bool = True, *, rewrite_replies: bool = False
+    messages: list[JSON],
+    generation: bool = True,
+    *,
+    rewrite_replies: bool = False,
+    vision: bool = False,
 ) -> list[int]:
     """The prompt ids of a chat request: ChatML framing around word ids.
 
     `rewrite_replies`: a template that is not append-only, as thinking models' are: an earlier
     assistant message is rendered with a word the engine never sampled at its start.
+    `vision`: image parts become their placeholder ids (the module docstring).
     """
     ids: list[int] = []
     for m in messages:
         content = m.get("content")
+        if vision and isinstance(content, list):
+            ids += [IM_START, word_id(str(m.get("role", ""))), NEWLINE]
+            for p in content:
+                if isinstance(p, dict) and p.get("type") == "image_url":
+                    ids += _image_ids(p)
+                elif isinstance(p, dict):
+                    ids += map(word_id, str(p.get("text", "")).split())
+            ids += [EOS, NEWLINE]
+            continue
         if isinstance(content, list):  # OpenAI content parts
             content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
         words = str(content or "").split()
@@ -195,6 +226,7 @@ class FakeEngine:
         ignore_token_prompts: bool = False,
         rewrite_replies: bool = False,
         call_tools: bool = False,
+        vision: bool = False,
     ) -> None:
         self.model_name = model_name
         self.completion_tokens = completion_tokens  # caps max_tokens; below it the answer stops
@@ -209,6 +241,7 @@ class FakeEngine:
         # parser gives it: no content, the call streamed as its name then its arguments in
         # pieces, finish_reason tool_calls.
         self.call_tools = call_tools
+        self.vision = vision  # image parts become placeholder ids (see chat_prompt_ids)
         self.tokenized: list[JSON] = []  # the /tokenize requests
         self.healthy = True
         self.url = ""
@@ -265,7 +298,9 @@ class FakeEngine:
         body: JSON = orjson.loads(await request.read())
         self.tokenized.append(body)
         generation = body.get("add_generation_prompt", True)
-        ids = chat_prompt_ids(body["messages"], generation, rewrite_replies=self.rewrite_replies)
+        ids = chat_prompt_ids(
+            body["messages"], generation, rewrite_replies=self.rewrite_replies, vision=self.vision
+        )
         answer = {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
@@ -353,7 +388,7 @@ class FakeEngine:
             prompt = list(token_prompt)
         elif chat:
             prompt = chat_prompt_ids(
-                body.get("messages") or [], rewrite_replies=self.rewrite_replies
+                body.get("messages") or [], rewrite_replies=self.rewrite_replies, vision=self.vision
             )
         else:
             prompt = completion_prompt_ids(body.get("prompt"))

@@ -137,8 +137,9 @@ def test_urls_are_normalised_and_duplicates_refused() -> None:
         pool.get("http://h:5")
     with pytest.raises(ValueError, match="twice"):
         EnginePool(["http://h:1", "http://h:1/v1/"])
-    with pytest.raises(ValueError, match="at least one"):
-        EnginePool([])
+    # No engine named is allowed (relays dial in later), and routes nothing until one does.
+    with pytest.raises(NoHealthyEngine, match="no engine yet"):
+        EnginePool([]).choose("session-1")
 
 
 def test_saturated_preferred_engine_falls_back_to_least_loaded() -> None:
@@ -203,6 +204,7 @@ def test_set_policy_version_and_describe() -> None:
         "last_error": None,
         "last_checked": None,
         "token_prompts": True,
+        "transport": "http",
     }
 
 

@@ -1,0 +1,89 @@
+"""Images in a session's messages: how the log refers to them, and where their placeholder ids
+sit in a sample's tokens.
+
+An OpenAI chat message may carry images as content parts
+(`{"type": "image_url", "image_url": {"url": ...}}`, the URL a data URL or one the engine
+fetches). The agent re-sends its whole conversation every turn, so the proxy records each image
+once per session, in an `image_recorded` event keyed by the SHA-256 of its bytes (a data URL's
+decoded bytes; an http URL's text, which the proxy never fetches), and the request body it
+records carries a reference in the image's place: `trajstore-image:sha256:<hex>`. The contract
+is in `store.sessions`.
+
+A vision-language engine expands each image into a run of placeholder ids in the prompt it
+reports (vLLM: the model's image token repeated once per image feature, e.g. Qwen2-VL's
+`<|image_pad|>` grid_t * grid_h * grid_w / merge_size**2 times, LLaVA-1.5's `<image>` 576 times).
+`image_spans` finds those runs in a sample, so a trainer can put the image's features there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+#: What a recorded body has in an image's URL in place of the image itself.
+REFERENCE_PREFIX = "trajstore-image:sha256:"
+
+
+def reference(sha256: str) -> str:
+    """The URL a recorded body carries in place of the image with this hash."""
+    return REFERENCE_PREFIX + sha256
+
+
+def referenced_hash(url: Any) -> str | None:
+    """The hash a reference URL names, or None when `url` is not a reference."""
+    if isinstance(url, str) and url.startswith(REFERENCE_PREFIX):
+        return url[len(REFERENCE_PREFIX) :]
+    return None
+
+
+def image_parts(messages: Any) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    """(message index, part index, part) of every `image_url` content part, in order."""
+    if not isinstance(messages, list):
+        return
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                yield i, j, part
+
+
+def part_url(part: dict[str, Any]) -> Any:
+    """An `image_url` part's URL: OpenAI's `{"url": ...}` object, or vLLM's bare string."""
+    value = part.get("image_url")
+    return value.get("url") if isinstance(value, dict) else value
+
+
+def image_hashes(messages: Any) -> list[str | None]:
+    """The images of recorded messages, in order: each one's hash (None for an image that was
+    recorded inline, which a log written before images were recorded by reference has)."""
+    return [referenced_hash(part_url(part)) for _, _, part in image_parts(messages)]
+
+
+def image_spans(
+    tokens: np.ndarray[Any, np.dtype[np.int32]],
+    generated: np.ndarray[Any, np.dtype[np.bool_]] | None,
+    placeholder: int | None,
+    n_images: int,
+) -> list[tuple[int, int]] | None:
+    """The [start, end) of each image's placeholder ids in `tokens`, in order; None when they
+    cannot be told apart with certainty.
+
+    An image is one maximal run of `placeholder` outside the generated tokens (`generated`: True
+    where the model sampled the token). That holds for the engines' placeholders of Qwen2-VL,
+    Qwen2.5-VL, LLaVA and LLaVA-NeXT; a model whose image is several runs (Pixtral's row breaks,
+    Gemma 3's pan-and-scan crops) gives more runs than images, and then None rather than a guess.
+    """
+    if placeholder is None or n_images == 0:
+        return None if n_images else []
+    hits = tokens == placeholder
+    if generated is not None:
+        hits &= ~generated
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], hits, [False])).astype(np.int8)))
+    starts, ends = edges[0::2], edges[1::2]
+    if len(starts) != n_images:
+        return None
+    return [(int(s), int(e)) for s, e in zip(starts, ends, strict=True)]
