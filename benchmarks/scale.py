@@ -16,7 +16,9 @@ events/s, the finish's p50/p99 (a finish waits until the session's events are du
 replica), the writer's lag (the oldest event not yet durable, the worst any replica reported,
 sampled twice a second), and the costs: CPU seconds of each kind of process per million tokens
 (the proxies, the database's backends for this database, the engine, this load generator), WAL
-bytes and `events` bytes per token, and how busy the machine's cores were. Served turns/s
+bytes and `events` bytes per token, and how busy the machine's cores were, all over the steady
+phase; then every live session is finished at once, and that phase's CPU (all processes) per
+session is `fin CPU`. Served turns/s
 fall short of the offered rate by the think times of new sessions even when nothing is
 saturated; a machine near 100% busy is, and the CPU columns say which process took it. Then it
 reconciles: every token a client received is in the store (exit 1 if not).
@@ -66,6 +68,7 @@ class Plan:
     rate: float  # turns a second, offered by all sessions together
     seconds: float
     turns: int  # per session, then it is finished and replaced
+    reap_interval: float = 10.0  # the replicas' reaper (TRAJSTORE_REAP_INTERVAL), its default
 
 
 @dataclass
@@ -220,6 +223,7 @@ class Row:
     lag_s: float
     cpu_per_mtok: dict[str, float]
     busy: float  # the machine's cores in use, all processes together, 0 to 1
+    finish_all_ms: float  # CPU (all processes) per session of finishing every one at the end
     wal_per_token: float
     bytes_per_token: float
     received: int
@@ -240,7 +244,11 @@ async def run_configuration(
 ) -> Row:
     """Start the replicas on a fresh database, drive the load, measure, stop the replicas."""
     scratch = await dbs.fresh()
-    env = {**os.environ, "TRAJSTORE_DATABASE_URL": scratch, "TRAJSTORE_REAP_INTERVAL": "10"}
+    env = {
+        **os.environ,
+        "TRAJSTORE_DATABASE_URL": scratch,
+        "TRAJSTORE_REAP_INTERVAL": str(plan.reap_interval),
+    }
     argv = [sys.executable, "-m", "trajstore", "proxy", "--engine", engine.url, "--port", "{port}"]
     replicas = [servers.start(f"replica-{n_replicas}-{i}", argv, env) for i in range(n_replicas)]
     limits = aiohttp.TCPConnector(limit=512)
@@ -282,22 +290,30 @@ async def run_configuration(
                 for i in range(n_sessions)
             ]
             await asyncio.sleep(plan.seconds)
+            # The steady phase ends here: its figures, before the sessions are all finished.
             stop.set()
-            await asyncio.gather(*agents)  # each finishes its session: durable on return
-            elapsed = time.perf_counter() - started
-            # Backends the replicas opened during the run count too.
-            pids["postgres"] = sorted(
+            pids["postgres"] = sorted(  # backends the replicas opened meanwhile count too
                 set(pids["postgres"]) | set(await database_backends(conn, database))
             )
             cpu = {kind: cpu_seconds(p) - cpu_before.get(kind, 0.0) for kind, p in pids.items()}
+            elapsed = time.perf_counter() - started
+            turns, received_then = tally.turns, tally.received_tokens
+            events = await conn.fetchval("SELECT coalesce(max(position), 0) FROM events")
+            wal = await conn.fetchval(
+                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)", lsn_before
+            )
+            # The last phase: every live session finished at once (each finish waits for every
+            # replica to flush the session: `proxy.replicas`), measured apart.
+            cpu_at_stop = sum(cpu_seconds(p) for p in pids.values())
+            await asyncio.gather(*agents)  # each finishes its session: durable on return
+            pids["postgres"] = sorted(
+                set(pids["postgres"]) | set(await database_backends(conn, database))
+            )
+            cpu_end = sum(cpu_seconds(p) for p in pids.values()) - cpu_at_stop
             worst_lag = await lag
             stored = await conn.fetchval(
                 "SELECT coalesce(sum(length(token_ids) / 4), 0)::bigint FROM events "
                 "WHERE event_type = 'completion_chunk'"
-            )
-            events = await conn.fetchval("SELECT coalesce(max(position), 0) FROM events")
-            wal = await conn.fetchval(
-                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)", lsn_before
             )
             # The table and, when it is partitioned, every partition of it.
             size = await conn.fetchval(
@@ -309,13 +325,13 @@ async def run_configuration(
         replica.process.terminate()
     for replica in replicas:
         replica.process.wait(timeout=30)
-    mtok = max(stored, 1) / 1e6
+    mtok = max(received_then, 1) / 1e6
     return Row(
         replicas=n_replicas,
         sessions=n_sessions,
         offered=plan.rate,
-        turns_s=tally.turns / elapsed,
-        tokens_s=stored / elapsed,
+        turns_s=turns / elapsed,
+        tokens_s=received_then / elapsed,
         events_s=(events - events_before) / elapsed,
         turn_p50_ms=1000 * statistics.median(tally.turn_latencies or [0.0]),
         finish_p50_ms=1000 * statistics.median(tally.finish_latencies or [0.0]),
@@ -323,7 +339,8 @@ async def run_configuration(
         lag_s=worst_lag,
         cpu_per_mtok={kind: seconds / mtok for kind, seconds in cpu.items()},
         busy=sum(cpu.values()) / elapsed / (os.cpu_count() or 1),
-        wal_per_token=float(wal) / max(stored, 1),
+        finish_all_ms=1000 * cpu_end / n_sessions,
+        wal_per_token=float(wal) / max(received_then, 1),
         bytes_per_token=size / max(stored, 1),
         received=tally.received_tokens,
         stored=stored,
@@ -336,8 +353,8 @@ def print_rows(rows: list[Row], seconds: float) -> None:
     head = (
         f"{'replicas':>8} {'sessions':>8} {'offered':>7} {'turns/s':>7} {'tokens/s':>8} "
         f"{'events/s':>8} {'turn p50':>8} {'fin p50':>7} {'fin p99':>7} {'lag s':>5} "
-        f"{'proxies':>7} {'postgres':>8} {'engine':>6} {'load':>6} {'busy':>4} {'WAL B/t':>7} "
-        f"{'disk B/t':>8}"
+        f"{'proxies':>7} {'postgres':>8} {'engine':>6} {'load':>6} {'busy':>4} {'fin CPU':>7} "
+        f"{'WAL B/t':>7} {'disk B/t':>8}"
     )
     print(head)
     for r in rows:
@@ -347,7 +364,8 @@ def print_rows(rows: list[Row], seconds: float) -> None:
             f"{r.tokens_s:>8.0f} {r.events_s:>8.0f} {r.turn_p50_ms:>6.1f}ms "
             f"{r.finish_p50_ms:>5.0f}ms {r.finish_p99_ms:>5.0f}ms {r.lag_s:>5.2f} "
             f"{c['proxies']:>7.0f} {c['postgres']:>8.0f} {c['engine']:>6.0f} {c['load']:>6.0f} "
-            f"{r.busy:>4.0%} {r.wal_per_token:>7.1f} {r.bytes_per_token:>8.1f}"
+            f"{r.busy:>4.0%} {r.finish_all_ms:>5.1f}ms {r.wal_per_token:>7.1f} "
+            f"{r.bytes_per_token:>8.1f}"
         )
 
 
@@ -399,10 +417,15 @@ def parse_args() -> Plan:
     parser.add_argument("--rate", type=float, default=300.0, help="turns/s offered in all")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds a configuration")
     parser.add_argument("--turns", type=int, default=4, help="turns a session, then a finish")
+    parser.add_argument(
+        "--reap-interval", type=float, default=10.0, help="the replicas' TRAJSTORE_REAP_INTERVAL"
+    )
     args = parser.parse_args()
     if args.quick:
-        return Plan([1, 2], [200], min(args.rate, 100.0), 6.0, args.turns)
-    return Plan(args.replicas, args.sessions, args.rate, args.duration, args.turns)
+        return Plan([1, 2], [200], min(args.rate, 100.0), 6.0, args.turns, args.reap_interval)
+    return Plan(
+        args.replicas, args.sessions, args.rate, args.duration, args.turns, args.reap_interval
+    )
 
 
 if __name__ == "__main__":
