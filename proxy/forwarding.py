@@ -23,7 +23,7 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from trajstore.proxy.apis import TRANSLATIONS, Translation
+from trajstore.proxy.apis import Translation, as_chat
 from trajstore.proxy.apis.messages import chat_messages, chat_tools
 from trajstore.proxy.continuation import RENDERED, Continuer, Plan, Turn
 from trajstore.proxy.engines import Engine, EnginePool, NoHealthyEngine
@@ -37,7 +37,6 @@ from trajstore.proxy.wire import (
     ENGINE_PATHS,
     Api,
     Asked,
-    asked_for,
     engine_body,
     extract,
     parse_body,
@@ -127,12 +126,7 @@ class Forwarder:
         `extra_headers` (the agent's own `X-*` headers, such as vLLM's X-Request-Id) are passed
         on to the engine; the agent's key never is.
         """
-        body = parse_body(api, raw)
-        translation = TRANSLATIONS.get(api)
-        if translation is None:
-            chat, asked = body, asked_for(api, body)
-        else:
-            chat, asked = translation.to_chat(body), Asked(False, False, False)
+        body, chat, asked, translation = as_chat(api, raw)
         if self.writer.saturated:
             raise Overloaded(
                 "the recorder is behind; retry shortly", retry_after=self.writer.retry_after()

@@ -26,7 +26,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trajstore.proxy.admission import RateLimited, Ticket
-from trajstore.proxy.apis import TRANSLATIONS
+from trajstore.proxy.apis import TRANSLATIONS, as_chat
 from trajstore.proxy.auth import require_session_key
 from trajstore.proxy.errors import (
     BadRequest,
@@ -38,7 +38,7 @@ from trajstore.proxy.errors import (
 )
 from trajstore.proxy.recorder import RequestRecorder, new_request_id
 from trajstore.proxy.sessions import Session
-from trajstore.proxy.wire import Api, Asked, asked_for, parse_body
+from trajstore.proxy.wire import Api
 from trajstore.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -233,12 +233,7 @@ async def record_refusal(
 ) -> None:
     """Record a request the proxy did not forward: its `request_received` (no engine chosen)
     and its `request_failed`. A body that is not valid is a 400 instead, as it would have been."""
-    body = parse_body(api, raw)
-    translation = TRANSLATIONS.get(api)
-    if translation is None:
-        chat, asked = body, asked_for(api, body)
-    else:
-        chat, asked = translation.to_chat(body), Asked(False, False, False)
+    body, chat, asked, _ = as_chat(api, raw)
     recorder = RequestRecorder(
         state.registry.writer,
         session_id=session.session_id,

@@ -86,6 +86,19 @@ async def read_index(
     ]
 
 
+async def read_rewarded_index(
+    store: EventStore, selection: Selection
+) -> tuple[int, list[IndexEntry]] | None:
+    """`read_index` on a connection of its own, every selected sample checked for a reward
+    (`check_rewards`); None when no sample is selected."""
+    async with unavailable_as_store_error(), store.pool.acquire() as conn:
+        version, entries = await read_index(conn, selection)
+    if version is None:
+        return None
+    check_rewards(entries)
+    return version, entries
+
+
 def shuffled(entries: list[IndexEntry], *, seed: int, shuffle: bool) -> list[IndexEntry]:
     """The entries in the replay's order: by id, then a seeded permutation."""
     if not shuffle:
@@ -141,11 +154,10 @@ async def replay(
     selection = selection or Selection()
     layout = Layout(batch_size, token_budget, pack)
     async with open_store(source) as store:
-        async with unavailable_as_store_error(), store.pool.acquire() as conn:
-            version, entries = await read_index(conn, selection)
-        if version is None:
+        index = await read_rewarded_index(store, selection)
+        if index is None:
             return
-        check_rewards(entries)
+        version, entries = index
         advantages = group_advantages(
             [float(e.reward) for e in entries if e.reward is not None],
             [e.group_id for e in entries],

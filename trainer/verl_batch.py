@@ -54,7 +54,7 @@ from trajstore.store import EventStore
 from trajstore.store.connection import unavailable_as_store_error
 from trajstore.trainer.arrays import read_arrays
 from trajstore.trainer.errors import BadSelection
-from trajstore.trainer.replay import IndexEntry, check_rewards, open_store, read_index, shuffled
+from trajstore.trainer.replay import IndexEntry, open_store, read_rewarded_index, shuffled
 from trajstore.trainer.selection import Selection
 
 #: The tensors of a batch, in the order they are laid out.
@@ -234,11 +234,10 @@ async def verl_batches(
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise BadSelection(f"batch_size must be a positive integer, got {batch_size!r}")
     async with open_store(source) as store:
-        async with unavailable_as_store_error(), store.pool.acquire() as conn:
-            version, entries = await read_index(conn, selection)
-        if version is None:
+        index = await read_rewarded_index(store, selection)
+        if index is None:
             return
-        check_rewards(entries)
+        version, entries = index
         ordered = shuffled(entries, seed=seed, shuffle=shuffle)
         size = batch_size or len(ordered)
         meta = {"trajstore": {"projection_version": version, "selection": selection.as_json()}}

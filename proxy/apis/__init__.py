@@ -14,11 +14,28 @@ state; translating keeps one recording path, one continuation rule and one set o
 for every API (its cost: `benchmarks/proxy_overhead.py --apis`).
 """
 
+from typing import Any
+
 from trajstore.proxy.apis.base import StreamTranslation, Translation
 from trajstore.proxy.apis.messages import Messages
 from trajstore.proxy.apis.responses import Responses
+from trajstore.proxy.wire import Api, Asked, asked_for, parse_body
 
 #: The translated APIs, by the name recorded in `request_received.api`.
 TRANSLATIONS: dict[str, Translation] = {"messages": Messages(), "responses": Responses()}
 
-__all__ = ["TRANSLATIONS", "StreamTranslation", "Translation"]
+
+def as_chat(
+    api: Api, raw: bytes
+) -> tuple[dict[str, Any], dict[str, Any], Asked, Translation | None]:
+    """An agent's request in every form the proxy needs: its body as sent (a 400 when it is not
+    valid), the chat completion it means for the engine, what the agent itself asked for (token
+    ids, logprobs: a translated API asks for none), and its translation (None for chat)."""
+    body = parse_body(api, raw)
+    translation = TRANSLATIONS.get(api)
+    if translation is None:
+        return body, body, asked_for(api, body), None
+    return body, translation.to_chat(body), Asked(False, False, False), translation
+
+
+__all__ = ["TRANSLATIONS", "StreamTranslation", "Translation", "as_chat"]
