@@ -323,6 +323,27 @@ def archived_events(out: Path, session_id: str) -> list[RecordedEvent]:
     return cast(list[RecordedEvent], events)
 
 
+def archived_requests(out: Path, streams: Iterable[str]) -> list[tuple[str, str, str]]:
+    """(stream_id, event_type, payload as JSON text) of the archive's `request_received` and
+    `completion_finished` events of these request streams: what the export reads of a request
+    from the log (`queries.READ_CONVERSATIONS`) when its day was archived."""
+    wanted = sorted(set(streams))
+    if not wanted:
+        return []
+    rows: list[tuple[str, str, str]] = []
+    for entry in read_manifest(out)["partitions"]:
+        table = pq.read_table(
+            out / entry["file"],
+            columns=["stream_id", "event_type", "payload"],
+            filters=[
+                ("stream_id", "in", wanted),
+                ("event_type", "in", ["request_received", "completion_finished"]),
+            ],
+        )
+        rows += [(r["stream_id"], r["event_type"], r["payload"]) for r in table.to_pylist()]
+    return rows
+
+
 @dataclass
 class RebuiltSession:
     """A session rebuilt from an archive (and the log): what the projector and `show` make."""

@@ -293,6 +293,13 @@ def sql(ctx: click.Context, query: str | None, max_width: int) -> None:
     help="Also write the samples' images (data URLs) into this directory, once each, as files "
     "named by their sha256 (the `images` column's).",
 )
+@click.option(
+    "--archive",
+    "archive_dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    help="A `trajstore archive` directory: the messages of samples whose days were archived "
+    "are read from it.",
+)
 @click.pass_context
 def export(
     ctx: click.Context,
@@ -301,6 +308,7 @@ def export(
     fmt: str,
     out: Path | None,
     images_dir: Path | None,
+    archive_dir: Path | None,
 ) -> None:
     """Write samples to Parquet or JSON Lines, one record per sample."""
     from trajstore.store import export as exporting
@@ -314,6 +322,7 @@ def export(
             written = await exporting.export(
                 store, path, fmt=fmt, runs=list(runs), statuses=list(statuses),
                 progress=lambda n: bar.advance(task, n), images_dir=images_dir,
+                archive=archive_dir,
             )  # fmt: skip
         click.echo(f"wrote {written} samples to {path}")
         if images_dir is not None:

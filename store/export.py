@@ -18,6 +18,7 @@ in bounded memory; `progress` is told how many records each batch wrote.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 from collections.abc import AsyncIterator, Callable
@@ -30,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajstore.store import queries
+from trajstore.store.archive import archived_requests
 from trajstore.store.events import request_stream
 from trajstore.store.eventstore import EventStore
 from trajstore.store.sessions import whole_messages
@@ -90,9 +92,14 @@ async def count(store: EventStore, runs: list[str], statuses: list[str]) -> int:
 
 
 async def records(
-    store: EventStore, runs: list[str], statuses: list[str], batch_size: int = 500
+    store: EventStore,
+    runs: list[str],
+    statuses: list[str],
+    batch_size: int = 500,
+    archive: Path | None = None,
 ) -> AsyncIterator[list[dict[str, Any]]]:
-    """The export's records, a batch at a time, in (run, session, branch) order."""
+    """The export's records, a batch at a time, in (run, session, branch) order; the messages
+    of archived requests from `archive` (`_conversations`)."""
     after: tuple[str, str, int, str] = ("", "", -1, "")
     while True:
         rows = await store.pool.fetch(
@@ -100,25 +107,48 @@ async def records(
         )
         if not rows:
             return
-        conversations = await _conversations(store, [_last_request(r) for r in rows])
+        conversations = await _conversations(store, [_last_request(r) for r in rows], archive)
         yield [_record(row, conversations) for row in rows]
         last = rows[-1]
         after = (last["run_id"] or "", last["session_id"], last["branch"], last["order_key"])
 
 
-async def _conversations(store: EventStore, request_ids: list[str]) -> dict[str, Any]:
-    """request id -> its whole messages followed by the model's reply (or prompt and text)."""
+async def _conversations(
+    store: EventStore, request_ids: list[str], archive: Path | None = None
+) -> dict[str, Any]:
+    """request id -> its whole messages followed by the model's reply (or prompt and text).
+    With `archive` (a `trajstore archive` directory), requests whose days were archived are read
+    from it, and so are the earlier requests their messages continue."""
     streams = [request_stream(r) for r in request_ids]
     asked: dict[str, dict[str, Any]] = {}
     replies: dict[str, dict[str, Any]] = {}
-    for row in await store.pool.fetch(queries.READ_CONVERSATIONS, streams):
-        payload = orjson.loads(row["payload"])
-        if row["event_type"] == "request_received":
-            asked[row["stream_id"]] = payload
+
+    def take(stream_id: str, event_type: str, payload: dict[str, Any]) -> None:
+        if event_type == "request_received":
+            asked[stream_id] = payload
         else:
             reply = (payload.get("choices") or [{}])[0].get("message")
             if reply is not None:
-                replies[row["stream_id"]] = reply
+                replies[stream_id] = reply
+
+    for row in await store.pool.fetch(queries.READ_CONVERSATIONS, streams):
+        take(row["stream_id"], row["event_type"], orjson.loads(row["payload"]))
+    looked: set[str] = set()
+    while archive is not None:
+        # What the log did not have: the requests themselves, and the ones they continue.
+        continued = (
+            request_stream(p["messages_prefix"]["request_id"])
+            for p in asked.values()
+            if isinstance(p.get("messages_prefix"), dict)
+        )
+        missing = {s for s in (*streams, *continued) if s not in asked} - looked
+        if not missing:
+            break
+        looked |= missing
+        for stream_id, event_type, payload in await asyncio.to_thread(
+            archived_requests, archive, missing
+        ):
+            take(stream_id, event_type, orjson.loads(payload))
     whole = whole_messages(
         {
             s: ((p.get("body") or {}).get("messages"), p.get("messages_prefix"))
@@ -246,9 +276,12 @@ async def export(
     statuses: list[str] | None = None,
     progress: Callable[[int], None] | None = None,
     images_dir: Path | None = None,
+    archive: Path | None = None,
 ) -> int:
     """Write the selected samples to `out`; return how many records were written. With
-    `images_dir`, also the bytes of their data images, one file per sha256 (`write_images`)."""
+    `images_dir`, also the bytes of their data images, one file per sha256 (`write_images`).
+    With `archive` (a `trajstore archive` directory), the messages of samples whose days were
+    archived come from it (the samples themselves stay in the database)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
     images_written: set[str] = set()
@@ -257,7 +290,7 @@ async def export(
     with out.open("wb") as sink:
         if fmt == "parquet":
             writer = pq.ParquetWriter(sink, SCHEMA)
-        async for batch in records(store, runs or [], statuses or []):
+        async for batch in records(store, runs or [], statuses or [], archive=archive):
             if images_dir is not None:
                 await write_images(store, batch, images_dir, images_written)
             if writer is not None:

@@ -15,7 +15,9 @@ from trajstore.store import EventStore
 from trajstore.store import archive as archiving
 from trajstore.store.archive import archive, rebuild_archived_session
 from trajstore.store.errors import ArchiveError
+from trajstore.store.export import export
 from trajstore.store.partitions import list_partitions, partition_name
+from trajstore.store.projection import Projector
 from trajstore.store.samples import build_samples
 from trajstore.store.sessions import rebuild_session
 from trajstore.store.timeline import timeline
@@ -150,3 +152,35 @@ async def test_nothing_before_the_date_is_a_no_op(store: EventStore, tmp_path: P
     result = await archive(store, OLD, tmp_path)  # the day itself is not wholly before
     assert result.partitions == []
     assert isinstance(OLD, dt.date)
+
+
+async def test_the_export_reads_archived_messages_from_the_archive(
+    store: EventStore, tmp_path: Path
+) -> None:
+    # Samples stay in the database; the messages of their requests left with their day.
+    await days_with_partitions(store, OLD)
+    async with recorded_on(store, OLD):
+        recording = RecordedSession(store, "s1")
+        await recording.created(task_id="t1")
+        messages = [{"role": "user", "content": "add 2 and 3"}]
+        await recording.turn(
+            {"request_id": "s1-r0", "body": {"messages": messages}},
+            prompt_ids=[1, 2, 3],
+            completion=[7, 8, 9],
+        )
+        await recording.finished(reward=1.0)
+    await Projector(store).run_once()
+
+    async def exported(name: str, **options: Path) -> list[dict[str, object]]:
+        out = tmp_path / name
+        await export(store, out, fmt="jsonl", **options)
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    before = await exported("before.jsonl")
+    assert before and all(json.loads(str(r["messages"])) for r in before)
+    await archive(store, days_ago(1), tmp_path / "archive")
+
+    without = await exported("without.jsonl")
+    assert [json.loads(str(r["messages"])) for r in without] == [[] for _ in before]
+    assert [r["token_ids"] for r in without] == [r["token_ids"] for r in before]
+    assert await exported("with.jsonl", archive=tmp_path / "archive") == before
