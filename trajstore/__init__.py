@@ -9,7 +9,8 @@ repository (the links `trajstore/store`, `trajstore/proxy` and `trajstore/traine
 
 This package itself is the room above them, which runs them all: the command line
 (`trajstore.cli`), the local stack (`trajstore.stack`, `trajstore up`), the demo
-(`trajstore.demo`), the generated tiny model (`trajstore.tiny_model`) and a local vLLM on it
-(`trajstore.vllm_server`). Arrows point down: store/ imports none of the others, trainer/ and
-proxy/ import only store/.
+(`trajstore.demo`), task directories (`trajstore.tasks`, `trajstore.trials`, `trajstore run`),
+the trajectory viewer (`trajstore.viewer`, `trajstore ui`), the generated tiny model
+(`trajstore.tiny_model`) and a local vLLM on it (`trajstore.vllm_server`). Arrows point down:
+store/ imports none of the others, trainer/ and proxy/ import only store/ (tests/test_house.py).
 """
