@@ -19,6 +19,10 @@ Tokenisation is fake but keeps the property the recorder relies on:
   ``image_url`` part becomes ``<|vision_start|>``, ``<|image_pad|>`` repeated
   ``image_token_count(url)`` times (vLLM: once per image feature, from the image's size), and
   ``<|vision_end|>``, with Qwen2-VL's ids. Without it, image parts add nothing, as before.
+- ``model_root``: the path ``/v1/models`` reports as the model's ``root`` (vLLM: the directory
+  it loaded; default the model name), e.g. a generated tiny model whose tokenizer a reader loads.
+- ``detokenize=True``: ``POST /detokenize`` answers ``{"model"?, "tokens": [...]}`` with
+  ``{"prompt": text}``, as vLLM does, each id rendered by ``token_text``; without it, a 404.
 
 So, as with vLLM, when the assistant reply is replayed unchanged turn k+1's prompt starts with
 turn k's prompt + completion ids: a reply cut by ``length`` is followed by the template's
@@ -227,6 +231,8 @@ class FakeEngine:
         rewrite_replies: bool = False,
         call_tools: bool = False,
         vision: bool = False,
+        model_root: str | None = None,
+        detokenize: bool = False,
     ) -> None:
         self.model_name = model_name
         self.completion_tokens = completion_tokens  # caps max_tokens; below it the answer stops
@@ -242,7 +248,10 @@ class FakeEngine:
         # pieces, finish_reason tool_calls.
         self.call_tools = call_tools
         self.vision = vision  # image parts become placeholder ids (see chat_prompt_ids)
+        self.model_root = model_root  # /v1/models' root (see the module docstring)
+        self.detokenize = detokenize
         self.tokenized: list[JSON] = []  # the /tokenize requests
+        self.detokenized: list[JSON] = []  # the /detokenize requests
         self.healthy = True
         self.url = ""
         self.requests: list[JSON] = []
@@ -260,6 +269,8 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions", partial(self._serve, api="chat"))
         app.router.add_post("/v1/completions", partial(self._serve, api="completions"))
         app.router.add_post("/tokenize", self._tokenize)
+        if self.detokenize:
+            app.router.add_post("/detokenize", self._detokenize)
         # Cancel handlers when the client leaves, as vLLM aborts the request.
         self._runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
@@ -290,7 +301,7 @@ class FakeEngine:
 
     async def _models(self, request: web.Request) -> web.Response:
         card = {"id": self.model_name, "object": "model", "created": int(time.time())}
-        card |= {"owned_by": "vllm", "root": self.model_name, "parent": None}
+        card |= {"owned_by": "vllm", "root": self.model_root or self.model_name, "parent": None}
         card |= {"max_model_len": MAX_MODEL_LEN, "permission": []}
         return web.json_response({"object": "list", "data": [card]})
 
@@ -302,6 +313,12 @@ class FakeEngine:
             body["messages"], generation, rewrite_replies=self.rewrite_replies, vision=self.vision
         )
         answer = {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body: JSON = orjson.loads(await request.read())
+        self.detokenized.append(body)
+        answer = {"prompt": "".join(map(token_text, body["tokens"]))}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
     async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
@@ -494,5 +511,6 @@ async def serve_forever(engine: FakeEngine, port: int) -> None:
     engine.requests = collections.deque(maxlen=1)  # type: ignore[assignment]
     engine.requests_headers = collections.deque(maxlen=1)  # type: ignore[assignment]
     engine.tokenized = collections.deque(maxlen=1)  # type: ignore[assignment]
+    engine.detokenized = collections.deque(maxlen=1)  # type: ignore[assignment]
     await engine.start(port=port)
     await asyncio.Event().wait()

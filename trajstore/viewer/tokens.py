@@ -122,8 +122,9 @@ class TokenTexts:
             answer.raise_for_status()
             card: dict[str, Any] = answer.json()["data"][0]
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            # Not a reason to stop asking it: its /detokenize may still answer (and sets
+            # `down_until` when it does not either).
             log.info("the engine %s does not say its model: %s", engine, exc)
-            known.down_until = time.monotonic() + _ENGINE_RETRY_S
             return
         known.asked = True
         known.root = str(card.get("root") or card.get("id") or "")
