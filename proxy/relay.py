@@ -3,10 +3,11 @@
 GPU nodes behind NAT or a firewall can reach the proxy but not be reached by it. The relay holds
 one WebSocket to the proxy's `/engines/connect` and serves, over it, every request the proxy
 routes to its engine (`proxy.relay_protocol` draws the frames): each `open` becomes a request to
-the local engine with aiohttp, its answer goes back as it streams, and a `cancel` closes that
-request, which makes vLLM stop generating. Every few seconds the relay asks its engine's
-`/health` and reports the answer. When the socket drops, the relay stops its requests (the
-proxy has failed them already) and dials again, with backoff; a refused token ends it.
+the local engine with aiohttp, its answer goes back as it streams (no faster than the proxy's
+`credit` for it allows), and a `cancel` closes that request, which makes vLLM stop generating.
+Every few seconds the relay asks its engine's `/health` and reports the answer. When the socket
+drops, the relay stops its requests (the proxy has failed them already) and dials again, with
+backoff; a refused token, or a protocol the proxy does not speak, ends it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,28 @@ _DROPPED = frozenset({"connection", "content-length", "transfer-encoding", "keep
 
 class RelayRefused(Exception):
     """The proxy refused this relay (a wrong token, or a protocol it does not speak)."""
+
+
+class Credit:
+    """How many more bytes of one request's answer the proxy takes now (see `relay_protocol`)."""
+
+    def __init__(self, window: int) -> None:
+        self.bytes = window
+        self._granted = asyncio.Event()
+
+    def grant(self, size: int) -> None:
+        """The agent took `size` bytes: that many more may be sent."""
+        self.bytes += size
+        self._granted.set()
+
+    async def take(self, most: int) -> int:
+        """Wait until some bytes may be sent; spend and return up to `most` of them."""
+        while self.bytes <= 0:
+            self._granted.clear()
+            await self._granted.wait()
+        size = min(most, self.bytes)
+        self.bytes -= size
+        return size
 
 
 def default_name(engine_url: str) -> str:
@@ -64,6 +87,8 @@ class Relay:
         self.max_backoff = max_backoff
         self.connected = asyncio.Event()  # set while a socket is open (for tests and logs)
         self._requests: dict[int, asyncio.Task[None]] = {}
+        self._credits: dict[int, Credit] = {}
+        self._window = rp.WINDOW  # the proxy's, from its welcome
 
     async def run(self) -> None:
         """Dial in and serve until cancelled; dial again, with backoff, whenever the socket drops.
@@ -107,6 +132,7 @@ class Relay:
                 task.cancel()
             await asyncio.gather(*self._requests.values(), return_exceptions=True)
             self._requests.clear()
+            self._credits.clear()
             await ws.close()
 
     async def _serve(self, http: aiohttp.ClientSession, ws: WebSocket) -> bool:
@@ -116,11 +142,16 @@ class Relay:
         await ws.send_str(hello)
         welcome = await ws.receive()
         if welcome.type != aiohttp.WSMsgType.TEXT:
+            if ws.close_code == 1002:  # a protocol error: dialling again would not help
+                raise RelayRefused(f"the proxy at {self.proxy_url} refused the relay: "
+                                   f"{welcome.extra}")  # fmt: skip
             reason = ws.close_code, welcome.extra
             log.warning("relay %s: the proxy closed the socket at hello: %s", self.name, reason)
             return False
+        accepted = rp.parse_control(welcome.data)
+        self._window = int(accepted["window"])
         log.info("relay %s: serving %s as %s", self.name, self.engine_url,
-                 rp.parse_control(welcome.data).get("url"))  # fmt: skip
+                 accepted.get("url"))  # fmt: skip
         self.connected.set()
         sending = asyncio.Lock()
         reporter = asyncio.create_task(self._report_health(http, ws, sending))
@@ -148,25 +179,37 @@ class Relay:
     ) -> None:
         kind, request_id = frame["type"], frame.get("id")
         if kind == rp.OPEN and isinstance(request_id, int):
-            task = asyncio.create_task(self._forward(http, ws, sending, request_id, frame))
+            credit = self._credits[request_id] = Credit(self._window)
+            task = asyncio.create_task(self._forward(http, ws, sending, credit, request_id, frame))
             self._requests[request_id] = task
-            task.add_done_callback(lambda _: self._requests.pop(request_id, None))
+            task.add_done_callback(lambda _: self._forget(request_id, task))
+        elif kind == rp.CREDIT:
+            granted = self._credits.get(request_id)  # type: ignore[arg-type]
+            if granted is not None:  # else the request ended meanwhile
+                granted.grant(int(frame["bytes"]))
         elif kind == rp.CANCEL:
+            self._credits.pop(request_id, None)  # type: ignore[arg-type]
             task = self._requests.pop(request_id, None)  # type: ignore[arg-type]
             if task is not None:
                 task.cancel()  # closes the engine request: vLLM aborts the generation
         else:
             raise rp.ProtocolError(f"a proxy does not send {kind!r} frames")
 
+    def _forget(self, request_id: int, task: asyncio.Task[None]) -> None:
+        if self._requests.get(request_id) is task:  # not an id the proxy has reused since
+            del self._requests[request_id]
+            self._credits.pop(request_id, None)
+
     async def _forward(
         self,
         http: aiohttp.ClientSession,
         ws: WebSocket,
         sending: asyncio.Lock,
+        credit: Credit,
         request_id: int,
         frame: dict[str, Any],
     ) -> None:
-        """One request: to the engine, and its answer back as it comes."""
+        """One request: to the engine, and its answer back as it comes and credit allows."""
 
         async def send(data: str | bytes) -> None:
             async with sending:
@@ -188,8 +231,12 @@ class Relay:
                         if k.lower() not in _DROPPED}  # fmt: skip
                 await send(rp.control(rp.HEAD, id=request_id, status=response.status,
                                       headers=head))  # fmt: skip
+                # Not reading while the credit is spent leaves the rest in the engine's socket.
                 async for chunk in response.content.iter_any():
-                    await send(rp.data(request_id, chunk))
+                    while chunk:
+                        size = await credit.take(len(chunk))
+                        await send(rp.data(request_id, chunk[:size]))
+                        chunk = chunk[size:]
             await send(rp.control(rp.END, id=request_id))
         except asyncio.CancelledError:
             raise  # the proxy cancelled it, or the socket dropped: nobody to answer

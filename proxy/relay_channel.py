@@ -4,7 +4,8 @@
 its engine to the pool (`relay://<name>`) and reads frames until the socket drops; then the pool
 stops routing to the engine and every request still open on the socket fails
 (`proxy.relay_protocol` draws the frames). `RelayChannel.send` is what forwarding calls, exactly
-as it calls the HTTP transport.
+as it calls the HTTP transport. Each request's queue holds at most the channel's window: the
+relay sends no more until the agent takes chunks and the channel grants it `credit`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class RelayAnswer:
         self.head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.done = False
+        self.buffered = 0  # bytes queued that the agent has not taken
+        self.taken = 0  # bytes taken that the relay has not been granted again yet
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as the relay sends it; see `Answer.chunks`."""
@@ -74,6 +77,7 @@ class RelayAnswer:
                 return
             if isinstance(item, TransportError):
                 raise item
+            self.channel.taken(self, len(item))
             yield item
 
     async def read(self) -> bytes:
@@ -87,6 +91,10 @@ class RelayAnswer:
             self.channel.cancel(self.id)
 
     # -- fed by the channel ---------------------------------------------------------------------
+
+    def on_data(self, chunk: bytes) -> None:
+        self.buffered += len(chunk)
+        self.queue.put_nowait(chunk)
 
     def on_head(self, status: int, headers: Mapping[str, str]) -> None:
         self.status, self.headers = status, headers
@@ -109,6 +117,7 @@ class RelayChannel:
     """One relay's WebSocket, as the transport of its engine: requests multiplexed by id."""
 
     kind = "relay"
+    window = rp.WINDOW  #: bytes a request may have queued; granted to the relay at welcome
 
     def __init__(self, websocket: WebSocket, name: str, engine: str) -> None:
         self.websocket = websocket
@@ -122,7 +131,8 @@ class RelayChannel:
         self._answers: dict[int, RelayAnswer] = {}
         self._ids = itertools.count(1)
         self._sending = asyncio.Lock()  # one frame at a time on the socket
-        self._cancels: set[asyncio.Task[None]] = set()
+        self._unsent: set[asyncio.Task[None]] = set()  # cancel and credit frames on their way
+        self.peak_buffered = 0  # the most bytes one request had queued, since the relay dialled
 
     # -- Transport ------------------------------------------------------------------------------
 
@@ -170,6 +180,9 @@ class RelayChannel:
                 "connected_at": self.connected_at,
                 "reported_at": self.reported_at,
                 "open_requests": len(self._answers),
+                "buffered_bytes": sum(a.buffered for a in self._answers.values()),
+                "peak_buffered_bytes": self.peak_buffered,
+                "window_bytes": self.window,
             },
         }
 
@@ -177,16 +190,30 @@ class RelayChannel:
 
     def cancel(self, request_id: int) -> None:
         """Forget a request and tell the relay to stop it (without waiting for the socket)."""
-        if self._answers.pop(request_id, None) is None or not self.open:
-            return
-        task = asyncio.ensure_future(self._send(rp.control(rp.CANCEL, id=request_id)))
-        self._cancels.add(task)
-        task.add_done_callback(self._cancelled)
+        if self._answers.pop(request_id, None) is not None:
+            self._send_soon(rp.control(rp.CANCEL, id=request_id))
 
-    def _cancelled(self, task: asyncio.Task[None]) -> None:
-        self._cancels.discard(task)
+    def taken(self, answer: RelayAnswer, size: int) -> None:
+        """The agent took `size` bytes of `answer`: grant them to the relay again, a quarter of
+        the window at a time (a frame per chunk would double the frames of a stream)."""
+        answer.buffered -= size
+        answer.taken += size
+        if answer.taken >= self.window // 4 and self._answers.get(answer.id) is answer:
+            self._send_soon(rp.control(rp.CREDIT, id=answer.id, bytes=answer.taken))
+            answer.taken = 0
+
+    def _send_soon(self, text: str) -> None:
+        """Send a frame without waiting for the socket (the reader and the agent must not)."""
+        if not self.open:
+            return
+        task = asyncio.ensure_future(self._send(text))
+        self._unsent.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._unsent.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.debug("relay %s: a cancel was not sent: %s", self.url, task.exception())
+            log.debug("relay %s: a frame was not sent: %s", self.url, task.exception())
 
     async def _send(self, text: str) -> None:
         try:
@@ -206,7 +233,10 @@ class RelayChannel:
                     request_id, chunk = rp.parse_data(message["bytes"])
                     answer = self._answers.get(request_id)
                     if answer is not None:
-                        answer.queue.put_nowait(chunk)
+                        answer.on_data(chunk)
+                        self.peak_buffered = max(self.peak_buffered, answer.buffered)
+                        if answer.buffered > self.window:
+                            raise rp.ProtocolError(f"request {request_id} overran its window")
                 elif message.get("text") is not None:
                     self._control(pool, rp.parse_control(message["text"]))
         finally:
@@ -265,8 +295,11 @@ async def accept_relay(
             hello = rp.parse_control(await websocket.receive_text())
         if hello["type"] != rp.HELLO:
             raise rp.ProtocolError(f"the first frame must be hello, not {hello['type']!r}")
-        if int(hello.get("protocol", 1)) > rp.VERSION:
-            raise rp.ProtocolError(f"this proxy speaks relay protocol {rp.VERSION} only")
+        if int(hello.get("protocol", 1)) != rp.VERSION:
+            raise rp.ProtocolError(
+                f"this proxy speaks relay protocol {rp.VERSION} only (with flow control), not "
+                f"{hello.get('protocol', 1)}: run the same trajstore version as the proxy"
+            )
         channel = RelayChannel(websocket, str(hello["name"]), str(hello.get("engine")))
     except (rp.ProtocolError, TimeoutError, WebSocketDisconnect, KeyError, ValueError) as exc:
         log.warning("a relay from %s was refused: %s", websocket.client, exc)
@@ -278,7 +311,7 @@ async def accept_relay(
     log.info("relay %s connected from %s (engine %s)", channel.url, websocket.client,
              channel.engine)  # fmt: skip
     try:
-        await channel._send(rp.control(rp.WELCOME, url=channel.url))
+        await channel._send(rp.control(rp.WELCOME, url=channel.url, window=channel.window))
         await channel.serve(pool)
     except (rp.ProtocolError, TransportError, WebSocketDisconnect) as exc:
         log.warning("relay %s: %s", channel.url, exc)

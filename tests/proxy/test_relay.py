@@ -14,15 +14,19 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import openai
+import orjson
 import pytest
 
 from tests.conftest import free_port
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory, RunningProxy, serve_proxy
 from tests.support import eventually
+from trajstore.proxy import relay_protocol as rp
 from trajstore.proxy.engines import Engine
 from trajstore.proxy.relay import Relay
+from trajstore.proxy.relay_channel import RelayChannel
 from trajstore.proxy.settings import ProxySettings
 from trajstore.store import EventType
 
@@ -300,6 +304,55 @@ async def test_admin_engines_lists_a_relay_with_its_engines_health(
         await eventually(lambda: not relay_engine.healthy)
         entry = await listed()
         assert entry["healthy"] is False and "503" in entry["last_error"]
+
+
+async def test_a_slow_reader_holds_back_its_own_answer_and_no_other(
+    relayed: RunningProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    window = 4096
+    monkeypatch.setattr(RelayChannel, "window", window)
+    async with FakeEngine() as engine, relay_task(relayed.url, engine.url, "flow"):
+        channel = (await dialled_in(relayed, "flow")).transport
+        assert isinstance(channel, RelayChannel)
+        # The slow reader is forwarding's side of the channel, not an agent over HTTP: between
+        # the proxy and an agent, loopback socket buffers hold megabytes, so when an agent that
+        # reads nothing stalls the proxy would depend on the kernel.
+        body = orjson.dumps({**CHAT, "max_tokens": 1500, "stream": True})
+        headers = {"content-type": "application/json"}
+        slow = await channel.send(
+            "POST", "/v1/chat/completions", body, headers, timeout=30, stream=True
+        )
+        chunks = slow.chunks()
+        first = await anext(chunks)
+        # It reads nothing more: the relay sends up to the window and stops there.
+        await eventually(lambda: slow.buffered == window)
+        stream = await relayed.agent(await relayed.new_session()).chat.completions.create(
+            **{**CHAT, "max_tokens": 100}, stream=True
+        )
+        fast = [c.choices[0].finish_reason async for c in stream if c.choices]
+        assert fast[-1] == "length"  # the other request on the socket ran to its end
+        assert not slow.done and slow.buffered == window  # while the slow one was held back
+        [listed] = (await relayed.http.get(f"{relayed.url}/admin/engines")).json()
+        assert listed["relay"]["open_requests"] == 1 and listed["relay"]["buffered_bytes"] == window
+        rest = b"".join([chunk async for chunk in chunks])
+    events = (first + rest).split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]  # all of it came, once the reader read
+    assert events[-3].count(b'"finish_reason":"length"') == 1 and len(events) > 1500
+    assert slow.done and channel.peak_buffered == window
+
+
+async def test_a_relay_without_flow_control_is_refused_with_the_reason(
+    relayed: RunningProxy,
+) -> None:
+    async with aiohttp.ClientSession() as http, http.ws_connect(
+        rp.websocket_url(relayed.url), headers={"Authorization": f"Bearer {TOKEN}"}
+    ) as ws:  # fmt: skip
+        await ws.send_str(rp.control(rp.HELLO, name="old", engine="http://e", healthy=True,
+                                     error=None, protocol=1))  # fmt: skip
+        message = await ws.receive()
+    assert message.type == aiohttp.WSMsgType.CLOSE and ws.close_code == 1002
+    assert "relay protocol 2" in message.extra and "not 1" in message.extra
+    assert engine_of(relayed, "relay://old") is None
 
 
 @pytest.mark.vllm
