@@ -28,6 +28,7 @@ from pathlib import Path
 
 import asyncpg
 import uvloop
+from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
 
 from trajstore.store import migrations
 from trajstore.store.archive import archive
@@ -49,11 +50,6 @@ FROM generate_series(0, $1 - 1) AS i
 """
 
 
-def url_of(url: str, database: str) -> str:
-    base, _, query = url.partition("?")
-    return f"{base.rpartition('/')[0]}/{database}" + (f"?{query}" if query else "")
-
-
 def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir())
 
@@ -67,9 +63,10 @@ async def timed(work: Awaitable[object]) -> float:
 async def main(n_events: int) -> int:
     server = await asyncio.to_thread(database_url)
     name = f"trajstore_bench_partitions_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(asyncpg_dsn(url_of(server, "postgres")))
+    databases = Databases(server)
+    admin = await asyncpg.connect(asyncpg_dsn(databases.url_of("postgres")))
     await admin.execute(f'CREATE DATABASE "{name}"')
-    url = url_of(server, name)
+    url = databases.url_of(name)
     try:
         await asyncio.to_thread(migrations.upgrade, url, BEFORE_PARTITIONS)
         conn = await asyncpg.connect(asyncpg_dsn(url))

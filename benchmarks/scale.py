@@ -45,7 +45,7 @@ import asyncpg
 import orjson
 import uvloop
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
-from proxy_overhead import ENGINE_MAIN, Server, Servers, cpu_seconds, percentile
+from proxy_overhead import ENGINE_MAIN, DbBackends, Server, Servers, cpu_seconds, percentile
 
 from trajstore.store.connection import asyncpg_dsn
 from trajstore.store.embedded import database_url
@@ -231,14 +231,6 @@ class Row:
     errors: int
 
 
-async def database_backends(conn: asyncpg.Connection, database: str) -> list[int]:
-    rows = await conn.fetch(
-        "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
-        database,
-    )
-    return [row["pid"] for row in rows]
-
-
 async def run_configuration(
     dbs: Databases, servers: Servers, engine: Server, n_replicas: int, n_sessions: int, plan: Plan
 ) -> Row:
@@ -257,7 +249,7 @@ async def run_configuration(
         for replica in replicas:
             await servers.wait_ready(replica, http, "/health")
         conn = await asyncpg.connect(asyncpg_dsn(scratch))
-        database = scratch.partition("?")[0].rpartition("/")[2]
+        backends = DbBackends(conn, scratch.partition("?")[0].rpartition("/")[2])
         try:
             stop = asyncio.Event()
             tally = Tally()
@@ -267,7 +259,7 @@ async def run_configuration(
             events_before = await conn.fetchval("SELECT coalesce(max(position), 0) FROM events")
             pids = {
                 "proxies": [r.process.pid for r in replicas],
-                "postgres": await database_backends(conn, database),
+                "postgres": await backends.pids(),
                 "engine": [engine.process.pid],
                 "load": [os.getpid()],
             }
@@ -293,7 +285,7 @@ async def run_configuration(
             # The steady phase ends here: its figures, before the sessions are all finished.
             stop.set()
             pids["postgres"] = sorted(  # backends the replicas opened meanwhile count too
-                set(pids["postgres"]) | set(await database_backends(conn, database))
+                set(pids["postgres"]) | set(await backends.pids())
             )
             cpu = {kind: cpu_seconds(p) - cpu_before.get(kind, 0.0) for kind, p in pids.items()}
             elapsed = time.perf_counter() - started
@@ -306,9 +298,7 @@ async def run_configuration(
             # replica to flush the session: `proxy.replicas`), measured apart.
             cpu_at_stop = sum(cpu_seconds(p) for p in pids.values())
             await asyncio.gather(*agents)  # each finishes its session: durable on return
-            pids["postgres"] = sorted(
-                set(pids["postgres"]) | set(await database_backends(conn, database))
-            )
+            pids["postgres"] = sorted(set(pids["postgres"]) | set(await backends.pids()))
             cpu_end = sum(cpu_seconds(p) for p in pids.values()) - cpu_at_stop
             worst_lag = await lag
             stored = await conn.fetchval(

@@ -186,17 +186,10 @@ def migrate(
     click.echo(f"migrated to {revision}")
     if revision == "head":
         # The log's daily partitions, today's and a month ahead (`trajstore partitions`).
-        from trajstore.store import partitions as partitioning
-        from trajstore.store.connection import connect
+        from trajstore.store.partitions import ensure_partitions_at
 
-        async def ensure() -> list[str]:
-            conn = await connect(url)
-            try:
-                return await partitioning.ensure_partitions(conn)
-            finally:
-                await conn.close()
-
-        click.echo(f"created {len(asyncio.run(ensure()))} daily partitions of events")
+        created = asyncio.run(ensure_partitions_at(url))
+        click.echo(f"created {len(created)} daily partitions of events")
     passwords = {roles.RECORDER_ROLE: recorder_password, roles.PROJECTOR_ROLE: projector_password}
     for role, password in passwords.items():
         if password:

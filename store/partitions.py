@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from trajstore.store import queries
+from trajstore.store.connection import connect
 from trajstore.store.schema import DEFAULT_PARTITION
 
 log = logging.getLogger(__name__)
@@ -108,3 +109,13 @@ async def ensure_partitions(
                 "events of %s are in %s: that day gets no partition", day, DEFAULT_PARTITION
             )
     return created
+
+
+async def ensure_partitions_at(url: str, *, days_ahead: int = DAYS_AHEAD) -> list[str]:
+    """`ensure_partitions` on a connection of its own to `url` (the owner's: it is DDL), for
+    `trajstore migrate` and the stack's upkeep; `StoreUnavailable` when it cannot connect."""
+    conn = await connect(url, application_name="trajstore-partitions")
+    try:
+        return await ensure_partitions(conn, days_ahead=days_ahead)
+    finally:
+        await conn.close()

@@ -356,18 +356,14 @@ async def serving(
 
 async def _keep_partitions(database_url: str, every: float = 3600.0) -> None:
     """The log's daily partitions a month ahead while the stack runs (`trajstore partitions`);
-    a database user without the right to create them is told once, and nothing else changes."""
-    from trajstore.store import partitions
-    from trajstore.store.connection import connect
+    a database user without the right to create them gets a warning each time, and nothing else
+    changes."""
     from trajstore.store.errors import StoreError
+    from trajstore.store.partitions import ensure_partitions_at
 
     while True:
         try:
-            conn = await connect(database_url, application_name="trajstore-partitions")
-            try:
-                await partitions.ensure_partitions(conn)
-            finally:
-                await conn.close()
+            await ensure_partitions_at(database_url)
         except (StoreError, asyncpg.PostgresError) as exc:
             log.warning("could not create the log's partitions ahead: %s", exc)
         await asyncio.sleep(every)

@@ -35,8 +35,8 @@ _COLUMNS = (
 _FACTS = "'session_finished', 'session_discarded', 'reward_assigned'"
 _LIFECYCLE = "event_type IN ('session_created', 'session_finished')"
 
-_CREATE_PARTITIONED = """
-CREATE TABLE events (
+#: The columns of `events`, the same before and after this revision.
+_COLUMNS_DDL = """
     position bigint GENERATED ALWAYS AS IDENTITY NOT NULL,
     tx_id xid8 DEFAULT pg_current_xact_id() NOT NULL,
     event_id uuid NOT NULL,
@@ -48,24 +48,15 @@ CREATE TABLE events (
     recorded_at timestamp with time zone DEFAULT now() NOT NULL,
     payload jsonb DEFAULT '{}'::jsonb NOT NULL,
     token_ids bytea,
-    logprobs bytea,
+    logprobs bytea,"""
+
+_CREATE_PARTITIONED = f"""
+CREATE TABLE events ({_COLUMNS_DDL}
     CONSTRAINT pk_events PRIMARY KEY (position, recorded_at)
 ) PARTITION BY RANGE (recorded_at)"""
 
-_CREATE_PLAIN = """
-CREATE TABLE events (
-    position bigint GENERATED ALWAYS AS IDENTITY NOT NULL,
-    tx_id xid8 DEFAULT pg_current_xact_id() NOT NULL,
-    event_id uuid NOT NULL,
-    stream_id text NOT NULL,
-    stream_version bigint NOT NULL,
-    session_id text,
-    run_id text,
-    event_type text NOT NULL,
-    recorded_at timestamp with time zone DEFAULT now() NOT NULL,
-    payload jsonb DEFAULT '{}'::jsonb NOT NULL,
-    token_ids bytea,
-    logprobs bytea,
+_CREATE_PLAIN = f"""
+CREATE TABLE events ({_COLUMNS_DDL}
     CONSTRAINT pk_events PRIMARY KEY (position),
     CONSTRAINT uq_events_event_id UNIQUE (event_id),
     CONSTRAINT uq_events_stream_id_stream_version UNIQUE (stream_id, stream_version)
