@@ -105,6 +105,14 @@ class TurnRecord:
         return self.session.messages.whole(self.request_id)
 
     @property
+    def n_messages(self) -> int | None:
+        """How many messages the request's whole list holds, from counts (no list is built)."""
+        if self.messages_prefix is None or self.session is None:
+            stored = self.body.get("messages")
+            return len(stored) if isinstance(stored, list) else None
+        return self.session.messages.count(self.request_id)
+
+    @property
     def messages_added(self) -> list[Any] | None:
         """The messages the request stored itself: all of them, or those after
         `messages_prefix`."""

@@ -128,9 +128,11 @@ class Messages:
 
     def __init__(self) -> None:
         self._messages: dict[str, _Messages] = {}
+        self._lengths: dict[str, int | None] | None = None  # whole lengths, once counted
 
     def add(self, request_id: str, added: Any, prefix: dict[str, Any] | None) -> None:
         """A request's messages as its request_received event stores them."""
+        self._lengths = None
         listed = added if isinstance(added, list) else None
         if prefix is None:
             self._messages[request_id] = _Messages(listed, None, 0)
@@ -157,10 +159,18 @@ class Messages:
             whole += messages.added
         return whole
 
+    def count(self, request_id: str) -> int | None:
+        """How many messages the request's whole list holds (None: it cannot be made whole)."""
+        if self._lengths is None:
+            self.unresolved()
+        assert self._lengths is not None
+        return self._lengths.get(request_id)
+
     def unresolved(self) -> dict[str, str]:
         """Request id -> why its messages cannot be made whole, for every such request (from
         counts, in one pass)."""
         lengths: dict[str, int | None] = {}
+        self._lengths = lengths
         failed: dict[str, str] = {}
         for request_id in self._messages:
             chain = []
