@@ -118,6 +118,7 @@ class Forwarder:
             headers=self._headers(None),
             timeout=settings.request_timeout,
             audit_every=settings.continuation_audit_every,
+            audit_growth=settings.continuation_audit_growth,
         )
 
     async def handle(

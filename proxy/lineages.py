@@ -100,7 +100,8 @@ class Chain:
     turned continuation off for it (`proxy.continuation`)."""
 
     turns: list[Turn] = field(default_factory=list)
-    continued: int = 0  #: turns continued since the last audit
+    since_audit: int = 0  #: turns continued since its last audit
+    audited_at: int = 0  #: prompt tokens at its last audit (0: never audited)
     off: str | None = None  #: why continuation is off for this lineage
 
     @property
@@ -119,9 +120,17 @@ class SessionTurns:
         self._by_key: dict[tuple[int, bytes], list[Turn]] = {}
         self.size = 0
 
-    def add(self, turn: Turn, extends: Turn | None) -> None:
-        """A completed turn; `extends`: the remembered turn whose prompt + completion its
-        prompt starts with (then it joins that turn's chain when that turn is the last)."""
+    def add(
+        self,
+        turn: Turn,
+        extends: Turn | None,
+        *,
+        parent: Turn | None = None,
+    ) -> None:
+        """A completed turn. `extends`: the remembered turn whose prompt + completion its prompt
+        starts with (it joins that turn's chain when that turn is the last); `parent`: the turn
+        its request continued or looked like (a chain of its own keeps the parent's audit
+        verdict)."""
         chain = extends.chain if extends is not None else None
         if chain is not None and chain.head is extends and turn.held_prompt is not None:
             assert extends is not None
@@ -129,6 +138,8 @@ class SessionTurns:
             extends.held_prompt = None  # the new last turn's prompt holds it
         else:
             chain = Chain()
+            if parent is not None and parent.chain is not None:
+                chain.off = parent.chain.off
             self.chains.append(chain)
         chain.turns.append(turn)
         turn.chain = chain
@@ -178,11 +189,18 @@ class PromptContexts:
         self._sessions.move_to_end(session_id)
         return turns
 
-    def remember(self, session_id: str, turn: Turn, extends: Turn | None) -> None:
-        """Record a completed turn (called once its events are queued, in log order)."""
+    def remember(
+        self,
+        session_id: str,
+        turn: Turn,
+        extends: Turn | None,
+        parent: Turn | None = None,
+    ) -> None:
+        """Record a completed turn (called once its events are queued, in log order); the
+        arguments are `SessionTurns.add`'s."""
         turns = self.get(session_id)
         self._bytes -= turns.size
-        turns.add(turn, extends)
+        turns.add(turn, extends, parent=parent)
         self._bytes += turns.size
         while self._bytes > self.max_bytes and len(self._sessions) > 1:
             _, dropped = self._sessions.popitem(last=False)

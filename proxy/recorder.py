@@ -74,7 +74,7 @@ class RequestRecorder:
         request_id: str,
         chunk_tokens: int = 16,
         turns: SessionTurns | None = None,
-        on_completed: Callable[[Turn, Turn | None], None] | None = None,
+        on_completed: Callable[[Turn, Turn | None, Turn | None], None] | None = None,
         on_prompt: Callable[[Plan], None] | None = None,
         finish_reason_in_api: Callable[[str | None, Any], str | None] | None = None,
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
@@ -82,7 +82,8 @@ class RequestRecorder:
     ) -> None:
         """`turns`: the session's turns this replica remembers, which this turn's prompt and
         messages may reference (`proxy.lineages`); `on_completed`: told this turn as a `Turn`
-        once it finished, with the turn its prompt extends (if remembered); `on_prompt`:
+        once it finished, with the turn its prompt extends (if remembered) and the turn its request
+        continued or looked like; `on_prompt`:
         told how the prompt reached the engine once the engine echoed it;
         `finish_reason_in_api`: a translated API's name for a chat finish reason (`proxy.apis`);
         `max_image_bytes`: the largest image a chat message may carry (`proxy.images`);
@@ -266,7 +267,7 @@ class RequestRecorder:
         # A later turn may reference and continue this one, once it is whole.
         whole = sorted(self._choices) == list(range(len(self._choices)))
         if self.on_completed is not None and self._prompt is not None and whole:
-            self.on_completed(self._as_turn(choices), self._extended())
+            self.on_completed(self._as_turn(choices), self._extended(), self.plan.turn)
 
     def _as_turn(self, finished: list[dict[str, Any]]) -> Turn:
         endings = tuple(

@@ -84,10 +84,17 @@ class ProxySettings(BaseSettings):
     continuation_audit_every: int = Field(
         default=16,
         ge=0,
-        description="A continued turn's check renders only the new messages; every this many "
-        "continued turns of a lineage (and its first) the whole conversation is rendered too, "
-        "as an audit that turns continuation off for the lineage when it disagrees, and that "
-        "measures the drift avoided (1: every turn; 0: never).",
+        description="A continued turn's check renders only the new messages; on a lineage's "
+        "first continued turn, then after this many continued turns (once the conversation "
+        "also grew by TRAJSTORE_CONTINUATION_AUDIT_GROWTH), the whole conversation is rendered "
+        "too: an audit that turns continuation off for the lineage when it disagrees, and that "
+        "measures the drift avoided (1 with growth 0: every turn; 0: never).",
+    )
+    continuation_audit_growth: float = Field(
+        default=0.5,
+        ge=0,
+        description="How much a conversation must have grown since its last audit before the "
+        "next (0.5: by half), so that audits cost a flat share of each turn at any length.",
     )
     session_idle_timeout: float = Field(
         default=3600.0,

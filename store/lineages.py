@@ -11,7 +11,12 @@ The rule. Turns are taken in request order (`store.sessions`). For each turn wit
 1. **Extend.** P starts with a lineage's tokens: those of its last turn (prompt + completion), or
    all of them but the final end-of-turn token when that turn stopped on it and the template does
    not repeat it. The deepest such lineage wins and the turn joins it.
-2. Otherwise take the lineage L whose tokens P shares the longest prefix with (s tokens; ties go
+2. Otherwise, when the turn's *messages* repeat those of a lineage's last turn and go on with an
+   assistant message, it is that conversation although its tokens do not extend it: a divergence
+   `template_not_append_only` when that message is the reply as it was given (the template
+   rendered the history other than as sampled, e.g. from text after a fallback, or a thinking
+   template dropping earlier reasoning), `history_rewritten` when it was edited.
+3. Otherwise take the lineage L whose tokens P shares the longest prefix with (s tokens; ties go
    to the lineage most recently extended) and decide, in order:
    - `history_truncated`: P is a strict prefix of L's tokens (the context was cut at its end);
    - `template_not_append_only`: P repeats L's last prompt whole and differs inside L's last
@@ -28,7 +33,7 @@ The rule. Turns are taken in request order (`store.sessions`). For each turn wit
      and H extended T: H was a call off the conversation (a summary, a check, a parallel call
      from the same point) that the conversation did not take up. H leaves L and becomes a
      lineage of its own, forked from L, and the turn joins L after T.
-3. Otherwise the turn starts a new lineage. It *forks* from L when they share at least
+4. Otherwise the turn starts a new lineage. It *forks* from L when they share at least
    `MIN_SHARED` tokens (a sub-agent or a side call that repeats the harness's system prompt, a
    rewind to an earlier point of L), with `fork_at` = s; else it is a root.
 
@@ -56,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from trajstore.store.prefixes import Digests, PrefixIndex, extends, new_hasher
+from trajstore.store.replies import same_reply
 from trajstore.store.tokens import TOKEN_DTYPE, shared_prefix
 
 if TYPE_CHECKING:
@@ -309,6 +315,12 @@ class Assigner:
         self, index: int, turn: TurnRecord, prompt: bytes, follows: int | None
     ) -> None:
         lineage = None if follows is None else self.forest.lineages[follows]
+        said = self._continues_messages(turn, lineage)
+        if said is not None:  # the same conversation, its tokens re-rendered or its reply edited
+            owner, why = said
+            at = shared_prefix(prompt, bytes(owner.state))
+            self._branch(owner, index, prompt, Divergence(index, at, why))
+            return
         shared = 0 if lineage is None else shared_prefix(prompt, bytes(lineage.state))
         if lineage is not None:
             reason = self._divergence(lineage, prompt, shared)
@@ -327,6 +339,37 @@ class Assigner:
             self._new(index, prompt, lineage.index, shared)
         else:
             self._new(index, prompt, None, None)
+
+    def _continues_messages(
+        self, turn: TurnRecord, follows: Lineage | None
+    ) -> tuple[Lineage, str] | None:
+        """The lineage whose last turn's messages the turn's repeat, then an assistant message
+        (the messages say it is the same conversation although the tokens do not), with the
+        reason: the reply as it was given (`template_not_append_only`) or edited
+        (`history_rewritten`). The turn its messages reference is asked first (the proxy found
+        it so), then the lineage its tokens follow longest (compared as values)."""
+        prefix = turn.messages_prefix
+        lineage = None if prefix is None else self._tips.get(str(prefix.get("request_id")))
+        added = turn.messages_added
+        if lineage is not None and added and isinstance(added[0], dict):
+            return self._reply_kept(lineage, added[0])
+        if follows is None:
+            return None
+        mine = turn.messages
+        theirs = self.session.turns[follows.tip.turn].messages
+        if mine is None or theirs is None or len(mine) <= len(theirs):
+            return None
+        if mine[: len(theirs)] != theirs or not isinstance(mine[len(theirs)], dict):
+            return None
+        return self._reply_kept(follows, mine[len(theirs)])
+
+    def _reply_kept(self, lineage: Lineage, sent: dict[str, Any]) -> tuple[Lineage, str] | None:
+        if sent.get("role") != "assistant":
+            return None
+        tip = lineage.tip
+        returned = self.session.turns[tip.turn].choices.get(tip.choice)
+        kept = returned is not None and same_reply(sent, returned.message)
+        return lineage, "template_not_append_only" if kept else "history_rewritten"
 
     def _divergence(self, lineage: Lineage, prompt: bytes, shared: int) -> str | None:
         if shared == len(prompt) // _ID < len(lineage.state) // _ID:
@@ -347,7 +390,7 @@ class Assigner:
         self._tip(lineage, index)
 
     def _side_call_at_tip(self, lineage: Lineage, prompt: bytes) -> bool:
-        """Rule 2's last case: when `prompt` extends the turn before the lineage's last one,
+        """Rule 3's last case: when `prompt` extends the turn before the lineage's last one,
         that last turn leaves for a lineage of its own. Returns whether it did."""
         before = lineage.before
         if before is None:
