@@ -21,14 +21,19 @@ The rule. Turns are taken in request order (`store.sessions`). For each turn wit
    - `history_truncated`: P is a strict prefix of L's tokens (the context was cut at its end);
    - `template_not_append_only`: P repeats L's last prompt whole and differs inside L's last
      completion (the reply came back re-rendered);
-   - `compacted` / `history_rewritten`: P contains L's last completion (the interior of it, at
-     least `MIN_CONTAINED` tokens) past where it leaves L's tokens: the agent kept the latest
-     reply and changed what came before it. `compacted` when P is less than half as long as L's
-     tokens (the history was replaced by something shorter, such as a summary the model wrote,
-     or old tool output pruned), else `history_rewritten` (a message edited inside the history).
-     Any lineage whose last completion P contains is considered, L first.
-   In these three cases the turn stays in L and starts a new branch of it: a *divergence*,
-   recorded with its turn, position and reason.
+   - `compacted` / `history_rewritten`: P shares at least `MIN_SHARED` tokens with L (its
+     system prompt, say) and contains L's last completion (its interior, at least
+     `MIN_CONTAINED` tokens) past where it leaves L's tokens: the agent kept the latest reply
+     and changed what came before it. `compacted` when P is less than half as long as L's tokens
+     (the history replaced by something shorter, such as a summary the model wrote, or old tool
+     output pruned), else `history_rewritten` (a message edited inside the history);
+   - `compacted`, too: P shares `MIN_SHARED` tokens with L and contains the last completion of
+     another lineage whose prompt held L's last completion (a summary asked for in a call of its
+     own, over L's history).
+   In these cases the turn stays in L and starts a new branch of it: a *divergence*, recorded
+   with its turn, position and reason. (A prompt that contains L's last completion but shares
+   no prefix with it, such as a memory-extraction call over L's history under a system prompt
+   of its own, is a new lineage forked from L at 0 tokens: a side call, not L's continuation.)
    - **Side call at the tip.** P extends the tokens of the turn T just before L's last turn H,
      and H extended T: H was a call off the conversation (a summary, a check, a parallel call
      from the same point) that the conversation did not take up. H leaves L and becomes a
@@ -327,16 +332,24 @@ class Assigner:
             if reason is not None:
                 self._branch(lineage, index, prompt, Divergence(index, shared, reason))
                 return
-        kept = self._containing(prompt, exclude=follows)
-        if kept is not None:
-            at = shared_prefix(prompt, bytes(kept.state))
-            self._branch(kept, index, prompt, Divergence(index, at, self._kept(kept, prompt)))
+        # Another lineage's last completion inside the prompt: a summary of this one (compacted
+        # through a summarising call), or a call over this one's history (a new lineage).
+        kept = self._containing(prompt)
+        if (
+            lineage is not None
+            and shared >= MIN_SHARED
+            and kept not in (None, lineage)
+            and self._summarised(kept, lineage)
+        ):
+            self._branch(lineage, index, prompt, Divergence(index, shared, "compacted"))
             return
         if lineage is not None and self._side_call_at_tip(lineage, prompt):
             self._place(index, turn)  # the lineage is back at the turn before: place it again
             return
         if lineage is not None and shared >= MIN_SHARED:
             self._new(index, prompt, lineage.index, shared)
+        elif kept is not None:
+            self._new(index, prompt, kept.index, 0)  # over its history, sharing no prefix
         else:
             self._new(index, prompt, None, None)
 
@@ -376,9 +389,16 @@ class Assigner:
             return "history_truncated"
         if shared >= lineage.prompt_len:
             return "template_not_append_only"
-        if self._contains(prompt, lineage, shared):
+        if shared >= MIN_SHARED and self._contains(prompt, lineage, shared):
             return self._kept(lineage, prompt)
         return None
+
+    def _summarised(self, summary: Lineage, lineage: Lineage) -> bool:
+        """Whether `summary`'s prompt holds `lineage`'s last completion: it was asked over that
+        lineage's history (its last completion is then the summary)."""
+        held = self._contained.get(lineage.index)
+        prompt = bytes(summary.state[: summary.prompt_len * _ID])
+        return held is not None and self._find(prompt, held[0], 0)
 
     @staticmethod
     def _kept(lineage: Lineage, prompt: bytes) -> str:
@@ -442,14 +462,17 @@ class Assigner:
 
     def _contains(self, prompt: bytes, lineage: Lineage, after: int) -> bool:
         held = self._contained.get(lineage.index)
-        if held is None:
-            return False
-        at = prompt.find(held[0], after * _ID)
+        return held is not None and self._find(prompt, held[0], after)
+
+    @staticmethod
+    def _find(prompt: bytes, ids: bytes, after: int) -> bool:
+        """Whether the packed `ids` occur in `prompt` at a token boundary past token `after`."""
+        at = prompt.find(ids, after * _ID)
         while at >= 0 and at % _ID:
-            at = prompt.find(held[0], at + 1)
+            at = prompt.find(ids, at + 1)
         return at >= 0
 
-    def _containing(self, prompt: bytes, exclude: int | None) -> Lineage | None:
+    def _containing(self, prompt: bytes) -> Lineage | None:
         """The most recently extended lineage whose last completion `prompt` contains."""
         wanted = [k for k, v in self._completions.items() if v]
         if not wanted or len(prompt) < MIN_CONTAINED * _ID:
@@ -459,7 +482,6 @@ class Assigner:
             self.forest.lineages[index]
             for key in np.unique(keys[np.isin(keys, np.array(wanted, np.uint64))]).tolist()
             for index in self._completions.get(int(key), ())
-            if index != exclude
         ]
         found = [lin for lin in found if self._contains(prompt, lin, 0)]
         return max(found, key=lambda lin: lin.touched) if found else None

@@ -258,3 +258,36 @@ def test_the_same_messages_with_other_tokens_are_the_same_conversation(recorder:
     assert [(s.lineage, s.branch) for s in samples] == [(0, 0), (0, 1), (0, 2)]
     reasons = [s.divergence.reason for s in samples if s.divergence is not None]
     assert reasons == ["template_not_append_only", "history_rewritten"]
+
+
+def test_a_summary_asked_in_a_call_of_its_own_then_used_is_compaction(recorder: Recorder) -> None:
+    """The summary comes from a call with a summariser's system prompt over the history; the
+    loop then starts over from it under its own system prompt: compacted, in the loop."""
+    system = text(150)
+    prompt, reply = chat(system, text(40)), [*text(40), EOS]
+    last = recorder.call(prompt, reply)
+    prompt, reply = [*prompt, *reply, 3, *chat(text(300))], [*text(40), EOS]
+    last = recorder.call(prompt, reply, last)
+    summary = [*text(60), EOS]
+    recorder.call(chat(text(30), [*text(5), *reply[:-1], *text(300)]), summary)  # the summariser
+    recorder.call(chat(system, [*text(5), *summary[:-1]]), [*text(10), EOS])
+    samples = build_samples(recorder.session)
+    assert [(s.lineage, s.branch, s.role) for s in samples] == [
+        (0, 0, "main"), (0, 1, "main"), (1, 0, "side"),
+    ]  # fmt: skip
+    assert samples[1].divergence is not None and samples[1].divergence.reason == "compacted"
+    assert samples[1].is_final
+
+
+def test_a_call_over_a_conversations_history_under_its_own_prompt_is_a_side_call(
+    recorder: Recorder,
+) -> None:
+    """Qwen Code's memory extraction: another system prompt, the history as text, a question."""
+    system = text(200)
+    prompt, reply = chat(system, text(40)), [*text(30), EOS]
+    recorder.call(prompt, reply)
+    recorder.call(chat(text(50), [*text(40), *reply[:-1]], text(10)), [*text(8), EOS])
+    forest = assign(recorder.session)
+    assert [(lin.turns, lin.role, lin.parent, lin.fork_at) for lin in forest.lineages] == [
+        ([0], "main", None, None), ([1], "side", 0, 0),
+    ]  # fmt: skip
