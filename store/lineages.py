@@ -121,7 +121,7 @@ class _Before:
     prompt_len: int  #: tokens of its prompt
 
 
-@dataclass
+@dataclass(eq=False)
 class Lineage:
     """One conversation of a session."""
 
@@ -137,6 +137,7 @@ class Lineage:
     eot: bool = False  #: that turn stopped on its last id: a next prompt may leave it out
     before: _Before | None = None
     touched: int = 0  #: when it was last extended (the most recent wins ties)
+    tip_request: str | None = None  #: its last turn's request id
     digests: Digests = field(default_factory=Digests, repr=False)  #: how far it is indexed
 
     @property
@@ -179,9 +180,12 @@ class Assigner:
         self.session = session
         self.forest = Forest()
         self.index = PrefixIndex()
+        self._dirty: dict[Lineage, None] = {}  # lineages whose tokens changed since indexed
         self._clock = 0
         self._tips: dict[str, Lineage] = {}  # request id of a lineage's last turn -> it
         self._completions: dict[int, list[int]] = {}  # a completion's first key -> lineages
+        self._wanted = _Keys()  # those keys, to look for in a prompt
+        self._summaries: dict[int, list[Lineage]] = {}  # lineage -> calls over its history
         self._contained: dict[int, tuple[bytes, int]] = {}  # lineage -> (interior, its key)
 
     def run(self) -> Forest:
@@ -195,33 +199,28 @@ class Assigner:
 
     # -- the walk over the index -----------------------------------------------------------
 
-    def _walk(
-        self, tail: bytes, start: int, hasher: Any
-    ) -> tuple[tuple[Lineage, int] | None, int | None]:
-        """The deepest lineage a prompt extends, with where its glue starts (bytes), and the
-        lineage it follows longest; the prompt from token `start` on is `tail` (`hasher` holds
-        its digest at `start`)."""
-        candidates, follows = self.index.walk(tail, start, hasher)
+    def _walk(self, prompt: bytes) -> tuple[tuple[Lineage, int] | None, int | None]:
+        """The deepest lineage the prompt extends, with where its glue starts (bytes), and the
+        lineage it follows longest (`store.prefixes`)."""
+        for lineage in self._dirty:  # indexed when first needed: a session of one conversation
+            self.index.update(lineage.index, lineage.state, lineage.digests, lineage.eot)
+        self._dirty.clear()
+        heads, follows = self.index.walk(prompt, 0, new_hasher())
         found: tuple[Lineage, int] | None = None
-        for index in candidates:
-            lineage = self.forest.lineages[index]
-            glue_at = extends(tail, start * _ID, lineage.state, lineage.eot)
-            if glue_at is not None and (found is None or glue_at > found[1]):
-                found = (lineage, glue_at)
+        for index, glue_at in heads:
+            if found is None or glue_at > found[1]:
+                found = (self.forest.lineages[index], glue_at)
         return found, follows
 
     # -- turns -------------------------------------------------------------------------------
 
     def _place(self, index: int, turn: TurnRecord) -> None:
-        by_reference = self._by_reference(turn)
-        if by_reference is not None:
-            (found, _), start, tail = by_reference
-            if found is not None:  # always, unless the index lost it: then the general way
-                lineage, glue_at = found
-                self._join(lineage, index, tail[glue_at - start :], glue_at)
-                return
+        lineage, glue_at = self._by_reference(turn)
+        if lineage is not None:
+            self._join(lineage, index, _packed(turn.prompt_added), glue_at)
+            return
         prompt = _packed(turn.prompt_token_ids)
-        found, follows = self._walk(prompt, 0, new_hasher())
+        found, follows = self._walk(prompt)
         if found is not None and self._other_choice(found[0], prompt, found[1]):
             self._place(index, turn)
         elif found is not None:
@@ -232,21 +231,21 @@ class Assigner:
         else:
             self._diverge_or_start(index, turn, prompt, follows)
 
-    def _by_reference(self, turn: TurnRecord) -> tuple[Any, int, bytes] | None:
-        """For a prompt the log stores as a reference to a lineage's last turn, which it
-        extends: the walk from that lineage's last boundary, over the tokens from there on
-        (what the turn added, and the end of the lineage's tokens). None for other prompts."""
+    def _by_reference(self, turn: TurnRecord) -> tuple[Lineage | None, int]:
+        """A prompt the log stores as a reference to a lineage's last turn that it extends (all
+        of its tokens, or all but an end-of-turn id the template leaves out) joins that lineage,
+        its glue what the turn stored: (that lineage, where the glue starts), else (None, 0).
+        The proxy references the deepest turn a request continues, so this is the rule's answer
+        at the cost of what the turn added."""
         prefix = turn.prompt_prefix
         lineage = None if prefix is None else self._tips.get(str(prefix.get("request_id")))
         if lineage is None or lineage.tip.choice != 0:
-            return None
+            return None, 0
         assert prefix is not None
         n = int(prefix.get("n_tokens") or 0) * _ID
-        if not (n == len(lineage.state) or (lineage.eot and n == len(lineage.state) - _ID)):
-            return None
-        at, hasher = lineage.head_boundary()
-        tail = bytes(lineage.state[at * _ID : n]) + _packed(turn.prompt_added)
-        return self._walk(tail, at, hasher), at * _ID, tail
+        if n == len(lineage.state) or (lineage.eot and n == len(lineage.state) - _ID):
+            return lineage, n
+        return None, 0
 
     def _other_choice(self, lineage: Lineage, prompt: bytes, deeper_than: int) -> bool:
         """With n > 1: whether `prompt` extends another choice of the lineage's last turn further
@@ -263,7 +262,7 @@ class Assigner:
             if index != lineage.tip.choice and glue_at is not None and glue_at > deeper_than:
                 lineage.tip.choice = index
                 lineage.state, lineage.eot = bytearray(state), eot
-                self.index.update(lineage.index, lineage.state, lineage.digests)
+                self._touch(lineage)
                 return True
         return False
 
@@ -277,9 +276,10 @@ class Assigner:
 
     def _tip(self, lineage: Lineage, index: int) -> None:
         """The turn is the lineage's last now."""
-        for request_id in [r for r, lin in self._tips.items() if lin is lineage]:
-            del self._tips[request_id]
-        self._tips[self.session.turns[index].request_id] = lineage
+        if lineage.tip_request is not None and self._tips.get(lineage.tip_request) is lineage:
+            del self._tips[lineage.tip_request]
+        lineage.tip_request = self.session.turns[index].request_id
+        self._tips[lineage.tip_request] = lineage
         self.forest.lineage_of[index] = lineage.index
 
     def _new(self, index: int, prompt: bytes, parent: int | None, fork_at: int | None) -> None:
@@ -310,9 +310,10 @@ class Assigner:
         self._remember_completion(lineage, completion, choice.finish_reason)
 
     def _touch(self, lineage: Lineage) -> None:
+        """The lineage's tokens changed: it is indexed again before the next walk."""
         self._clock += 1
         lineage.touched = self._clock
-        self.index.update(lineage.index, lineage.state, lineage.digests)
+        self._dirty[lineage] = None
 
     # -- a prompt that extends no lineage ---------------------------------------------------
 
@@ -334,13 +335,7 @@ class Assigner:
                 return
         # Another lineage's last completion inside the prompt: a summary of this one (compacted
         # through a summarising call), or a call over this one's history (a new lineage).
-        kept = self._containing(prompt)
-        if (
-            lineage is not None
-            and shared >= MIN_SHARED
-            and kept not in (None, lineage)
-            and self._summarised(kept, lineage)
-        ):
+        if lineage is not None and shared >= MIN_SHARED and self._summarised(lineage, prompt):
             self._branch(lineage, index, prompt, Divergence(index, shared, "compacted"))
             return
         if lineage is not None and self._side_call_at_tip(lineage, prompt):
@@ -348,8 +343,10 @@ class Assigner:
             return
         if lineage is not None and shared >= MIN_SHARED:
             self._new(index, prompt, lineage.index, shared)
-        elif kept is not None:
-            self._new(index, prompt, kept.index, 0)  # over its history, sharing no prefix
+        elif (kept := self._containing(prompt)) is not None:
+            # A call over a lineage's history under a prompt of its own: it shares no prefix.
+            self._new(index, prompt, kept.index, 0)
+            self._summaries.setdefault(kept.index, []).append(self.forest.lineages[-1])
         else:
             self._new(index, prompt, None, None)
 
@@ -393,12 +390,12 @@ class Assigner:
             return self._kept(lineage, prompt)
         return None
 
-    def _summarised(self, summary: Lineage, lineage: Lineage) -> bool:
-        """Whether `summary`'s prompt holds `lineage`'s last completion: it was asked over that
-        lineage's history (its last completion is then the summary)."""
-        held = self._contained.get(lineage.index)
-        prompt = bytes(summary.state[: summary.prompt_len * _ID])
-        return held is not None and self._find(prompt, held[0], 0)
+    def _summarised(self, lineage: Lineage, prompt: bytes) -> bool:
+        """Whether `prompt` holds the last completion of a call made over `lineage`'s history
+        (a lineage forked from it at 0 tokens: its last completion is then a summary of it)."""
+        return any(
+            self._contains(prompt, summary, 0) for summary in self._summaries.get(lineage.index, ())
+        )
 
     @staticmethod
     def _kept(lineage: Lineage, prompt: bytes) -> str:
@@ -437,7 +434,7 @@ class Assigner:
         lineage.state = bytearray(state_before)
         lineage.prompt_len, lineage.eot = before.prompt_len, before.eot
         lineage.before = None
-        self._tips[self.session.turns[before.turn].request_id] = lineage
+        self._tip(lineage, before.turn)
         self._touch(lineage)
         return True
 
@@ -451,9 +448,10 @@ class Assigner:
         interior = ids[_ID:-_ID]  # its edges may merge with the text around it when re-rendered
         if len(interior) < MIN_CONTAINED * _ID:
             return
-        key = int(_window_keys(interior[: MIN_CONTAINED * _ID])[0])
+        key = _key_of(interior[: MIN_CONTAINED * _ID])
         self._contained[lineage.index] = (interior, key)
         self._completions.setdefault(key, []).append(lineage.index)
+        self._wanted.add(key)
 
     def _forget_completion(self, lineage: Lineage) -> None:
         held = self._contained.pop(lineage.index, None)
@@ -474,16 +472,16 @@ class Assigner:
 
     def _containing(self, prompt: bytes) -> Lineage | None:
         """The most recently extended lineage whose last completion `prompt` contains."""
-        wanted = [k for k, v in self._completions.items() if v]
-        if not wanted or len(prompt) < MIN_CONTAINED * _ID:
+        if not self._completions or len(prompt) < MIN_CONTAINED * _ID:
             return None
         keys = _window_keys(prompt)
+        starts = self._wanted.among(keys)
         found = [
             self.forest.lineages[index]
-            for key in np.unique(keys[np.isin(keys, np.array(wanted, np.uint64))]).tolist()
+            for key in starts
             for index in self._completions.get(int(key), ())
+            if self._contains(prompt, self.forest.lineages[index], 0)
         ]
-        found = [lin for lin in found if self._contains(prompt, lin, 0)]
         return max(found, key=lambda lin: lin.touched) if found else None
 
     # -- roles -------------------------------------------------------------------------------
@@ -503,6 +501,45 @@ class Assigner:
         self.forest.main = main.index
 
 
+class _Keys:
+    """A growing set of 64-bit keys, looked up many at a time: a sorted array merged with what
+    was added since whenever that grows past it (amortised: each key is sorted in O(log) times)."""
+
+    def __init__(self) -> None:
+        self._sorted: np.ndarray[Any, np.dtype[np.uint64]] | None = None
+        self._recent: set[int] = set()
+
+    def add(self, key: int) -> None:
+        self._recent.add(key)
+        held = 0 if self._sorted is None else len(self._sorted)
+        if len(self._recent) > max(64, held):
+            recent = np.fromiter(self._recent, np.uint64, len(self._recent))
+            merged = recent if self._sorted is None else np.concatenate([self._sorted, recent])
+            self._sorted, self._recent = np.unique(merged), set()
+
+    def among(self, keys: np.ndarray[Any, np.dtype[np.uint64]]) -> list[int]:
+        """Which of `keys` are in the set (each once)."""
+        found: set[int] = set()
+        if self._sorted is not None:
+            at = np.minimum(np.searchsorted(self._sorted, keys), len(self._sorted) - 1)
+            found.update(keys[self._sorted[at] == keys].tolist())
+        if self._recent:
+            found.update(k for k in keys.tolist() if k in self._recent)
+        return list(found)
+
+
+_MASK = (1 << 64) - 1
+_BASE = 1_000_003
+
+
+def _key_of(packed: bytes) -> int:
+    """`_window_keys` of exactly MIN_CONTAINED ids, without numpy (one key a completion)."""
+    key = 0
+    for value in np.frombuffer(packed, TOKEN_DTYPE).tolist():
+        key = (key * _BASE + value) & _MASK
+    return key
+
+
 def _window_keys(packed: bytes) -> np.ndarray[Any, np.dtype[np.uint64]]:
     """A 64-bit key of every run of MIN_CONTAINED ids (wrapping arithmetic: a hit is checked)."""
     ids = np.frombuffer(packed, TOKEN_DTYPE).astype(np.uint64)
@@ -510,7 +547,7 @@ def _window_keys(packed: bytes) -> np.ndarray[Any, np.dtype[np.uint64]]:
     keys = np.zeros(n, np.uint64)
     with np.errstate(over="ignore"):
         for j in range(MIN_CONTAINED):
-            keys = keys * np.uint64(1_000_003) + ids[j : j + n]
+            keys = keys * np.uint64(_BASE) + ids[j : j + n]
     return keys
 
 
