@@ -155,8 +155,8 @@ def report(runs: int, quick: bool) -> None:
         "forest (8 lineages, 200 turns)": forest(1 if quick else 3),
         "one-call (2,000 lineages)": one_call(1),
     }
-    print("\nlineage matching, CPU only (medians of "
-          f"{runs} runs): the projection's samples with lineages against the rule before them")  # fmt: skip
+    print(f"\nlineage matching, CPU only (medians of {runs} runs): the projection's samples "
+          "with lineages against the rule before them")  # fmt: skip
     print(f"{'shape':34}{'tokens':>12}{'lineages ms':>13}{'before ms':>11}{'ratio':>8}"
           f"{'samples':>9}{'before':>8}")  # fmt: skip
     print(f"{'':34}{'(prompts + completions)':>23}")
