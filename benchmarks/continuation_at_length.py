@@ -22,9 +22,9 @@ import aiohttp
 import orjson
 from proxy_overhead import ROOT, Server, Servers, free_port
 
-from trajstore.proxy.continuation import Continuer, render_key
+from trajstore.proxy.continuation import Continuer
 from trajstore.proxy.engines import Engine, EnginePool
-from trajstore.proxy.lineages import Chain, Ending, Turn, messages_key
+from trajstore.proxy.lineages import Chain, Ending, Turn, messages_key, render_key
 from trajstore.store.tokens import encode_token_ids
 
 TOKENS_PER_TURN = 1_600

@@ -88,16 +88,10 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import orjson
 
-from trajstore.proxy.apis import TRANSLATIONS
 from trajstore.proxy.engines import Engine
-from trajstore.proxy.errors import ProxyError
-from trajstore.proxy.lineages import Ending, Turn
-from trajstore.proxy.replicas import Replicas
+from trajstore.proxy.lineages import RENDER_FIELDS, Turn, render_key
 from trajstore.proxy.transport import TransportError
-from trajstore.store import EventStore, StoreError
-from trajstore.store.records import TurnRecord
 from trajstore.store.replies import same_reply, text_of
-from trajstore.store.sessions import rebuild_session
 from trajstore.store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
 
 log = logging.getLogger(__name__)
@@ -105,9 +99,6 @@ log = logging.getLogger(__name__)
 #: The conversation the new messages are rendered after, to separate them from the history.
 BASE: list[dict[str, Any]] = [{"role": "user", "content": "."}]
 _STUB_REPLIES = ({"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"})
-
-#: Request fields that change how the template renders: a continuation needs them unchanged.
-RENDER_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "documents")
 
 
 def _renders_plainly(body: dict[str, Any]) -> bool:
@@ -153,14 +144,6 @@ class Plan(NamedTuple):
 RENDERED = Plan("rendered")
 
 
-def render_key(body: dict[str, Any]) -> bytes:
-    """The request's render options, comparable between turns."""
-    return orjson.dumps([body.get(field) for field in RENDER_FIELDS])
-
-
-# -- comparing the reply the agent sent back with the one it was given -------------------------
-
-
 class _Refused(Exception):
     """The engine cannot render this conversation (no /tokenize, or the template refused it)."""
 
@@ -175,85 +158,6 @@ def _common_end(a: list[int], b: list[int]) -> list[int]:
 
 def _ends_with(ids: Sequence[int], tail: Sequence[int]) -> bool:
     return len(tail) <= len(ids) and list(ids[len(ids) - len(tail) :]) == list(tail)
-
-
-# -- the turn continued, from the log -----------------------------------------------------
-
-
-def turn_from_record(record: TurnRecord) -> Turn | None:
-    """A completed turn as rebuilt from the log (`rebuild_session(packed=True)`), or None."""
-    translation = TRANSLATIONS.get(record.api)
-    if record.status != "completed" or (record.api != "chat" and translation is None):
-        return None
-    body = {**record.body, "messages": record.messages}
-    try:
-        chat = body if translation is None else translation.to_chat(record.body)
-    except ProxyError:
-        return None
-    messages = chat.get("messages")
-    prompt = record.prompt_token_ids
-    if not isinstance(messages, list) or not isinstance(prompt, bytes) or not record.choices:
-        return None
-    endings = []
-    for index in range(len(record.choices)):
-        choice = record.choices.get(index)
-        if choice is None:
-            return None
-        tokens = choice.token_ids if isinstance(choice.token_ids, bytes) else b""
-        endings.append(Ending(tokens, choice.finish_reason, choice.stop_reason, choice.message))
-    options = [chat.get(name) for name in RENDER_FIELDS]
-    return Turn(
-        record.request_id, len(prompt) // 4, len(messages), 0, b"", b"", tuple(endings),
-        api=record.api, from_log=(messages, options), held_prompt=prompt,
-    )  # fmt: skip
-
-
-async def turn_in_log(
-    store: EventStore,
-    replicas: Replicas,
-    session_id: str,
-    messages: list[Any],
-    wait: float = 2.0,
-) -> Turn | None:
-    """The deepest turn of the session's log whose messages and reply `messages` starts with,
-    for a request that continues a turn this replica does not remember (served by another
-    replica, before a restart, or forgotten).
-
-    The other replicas are asked to store the session's events first (the finish barrier), but
-    for `wait` seconds at most: a turn is not held up for long; without them, the log may lack
-    the turn continued, and the request is then rendered from its messages.
-    """
-    try:
-        async with asyncio.timeout(wait):
-            await replicas.flush_everywhere(session_id)
-    except (TimeoutError, ProxyError, StoreError) as exc:
-        log.info("continuation reads %s's log without every replica's writes: %s", session_id, exc)
-    record = rebuild_session(session_id, await store.read_session(session_id), packed=True)
-    best: Turn | None = None
-    # Cheap first: the message after the turn's must be its reply; only then the whole list.
-    for candidate in reversed(record.turns):
-        if candidate.status != "completed" or candidate.api == "completions":
-            continue
-        n = _n_messages(candidate)
-        if n is None or n + 1 >= len(messages) or (best and best.n_messages >= n):
-            continue
-        if not any(same_reply(messages[n], c.message) for c in candidate.choices.values()):
-            continue
-        turn = turn_from_record(candidate)
-        if turn is not None and turn.from_log and messages[:n] == turn.from_log[0]:
-            best = turn
-    return best
-
-
-def _n_messages(record: TurnRecord) -> int | None:
-    """How many messages the turn sent (from counts for chat: no list is built)."""
-    if record.api == "chat":
-        return record.n_messages
-    turn = turn_from_record(record)
-    return None if turn is None else turn.n_messages
-
-
-# -- the continuation itself -------------------------------------------------------------------
 
 
 class Continuer:

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from trajstore.proxy.continuation import RENDERED, Plan, render_key
+from trajstore.proxy.continuation import RENDERED, Plan
 from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, referenced
-from trajstore.proxy.lineages import Ending, SessionTurns, Turn, messages_key
+from trajstore.proxy.lineages import Ending, SessionTurns, Turn, messages_key, render_key
 from trajstore.proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
 from trajstore.store import BadEvent, EventType, EventWriter, NewEvent, request_stream
 from trajstore.store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from trajstore.store.completions import LastCompletions
 from trajstore.store.prefixes import Digests, PrefixIndex, extends, new_hasher
 from trajstore.store.replies import same_reply
 from trajstore.store.tokens import TOKEN_DTYPE, shared_prefix
@@ -74,8 +75,6 @@ if TYPE_CHECKING:
 
 #: Tokens a turn must share with a lineage to count as forked from it (less: a root).
 MIN_SHARED = 16
-#: Tokens of a completion's interior that must reappear for a turn to count as keeping it.
-MIN_CONTAINED = 8
 _ID = TOKEN_DTYPE.itemsize
 
 
@@ -183,10 +182,8 @@ class Assigner:
         self._dirty: dict[Lineage, None] = {}  # lineages whose tokens changed since indexed
         self._clock = 0
         self._tips: dict[str, Lineage] = {}  # request id of a lineage's last turn -> it
-        self._completions: dict[int, list[int]] = {}  # a completion's first key -> lineages
-        self._wanted = _Keys()  # those keys, to look for in a prompt
+        self._completions = LastCompletions()  # each lineage's, to find in a later prompt
         self._summaries: dict[int, list[Lineage]] = {}  # lineage -> calls over its history
-        self._contained: dict[int, tuple[bytes, int]] = {}  # lineage -> (interior, its key)
 
     def run(self) -> Forest:
         """Place every completed turn, in order; then the roles."""
@@ -307,7 +304,7 @@ class Assigner:
         lineage.eot = choice.finish_reason == "stop" and bool(completion)
         lineage.longest = max(lineage.longest, len(lineage.state) // _ID)
         self._touch(lineage)
-        self._remember_completion(lineage, completion, choice.finish_reason)
+        self._completions.remember(lineage.index, completion, choice.finish_reason)
 
     def _touch(self, lineage: Lineage) -> None:
         """The lineage's tokens changed: it is indexed again before the next walk."""
@@ -386,7 +383,7 @@ class Assigner:
             return "history_truncated"
         if shared >= lineage.prompt_len:
             return "template_not_append_only"
-        if shared >= MIN_SHARED and self._contains(prompt, lineage, shared):
+        if shared >= MIN_SHARED and self._completions.contains(prompt, lineage.index, shared):
             return self._kept(lineage, prompt)
         return None
 
@@ -394,7 +391,8 @@ class Assigner:
         """Whether `prompt` holds the last completion of a call made over `lineage`'s history
         (a lineage forked from it at 0 tokens: its last completion is then a summary of it)."""
         return any(
-            self._contains(prompt, summary, 0) for summary in self._summaries.get(lineage.index, ())
+            self._completions.contains(prompt, summary.index)
+            for summary in self._summaries.get(lineage.index, ())
         )
 
     @staticmethod
@@ -424,11 +422,7 @@ class Assigner:
         self.forest.lineages.append(side)
         self._tip(side, head.turn)
         self._touch(side)
-        held = self._contained.get(lineage.index)
-        self._forget_completion(lineage)
-        if held is not None:
-            self._contained[side.index] = held
-            self._completions[held[1]].append(side.index)
+        self._completions.move(lineage.index, side.index)
         # The conversation is back at the turn before: it is the lineage's last again.
         self.index.rewind(lineage.digests, before.length // _ID - 1)
         lineage.state = bytearray(state_before)
@@ -438,50 +432,9 @@ class Assigner:
         self._touch(lineage)
         return True
 
-    # -- a lineage's last completion, kept inside a later prompt ----------------------------
-
-    def _remember_completion(
-        self, lineage: Lineage, completion: bytes, finish_reason: str | None
-    ) -> None:
-        self._forget_completion(lineage)
-        ids = completion[:-_ID] if finish_reason == "stop" else completion
-        interior = ids[_ID:-_ID]  # its edges may merge with the text around it when re-rendered
-        if len(interior) < MIN_CONTAINED * _ID:
-            return
-        key = _key_of(interior[: MIN_CONTAINED * _ID])
-        self._contained[lineage.index] = (interior, key)
-        self._completions.setdefault(key, []).append(lineage.index)
-        self._wanted.add(key)
-
-    def _forget_completion(self, lineage: Lineage) -> None:
-        held = self._contained.pop(lineage.index, None)
-        if held is not None:
-            self._completions[held[1]].remove(lineage.index)
-
-    def _contains(self, prompt: bytes, lineage: Lineage, after: int) -> bool:
-        held = self._contained.get(lineage.index)
-        return held is not None and self._find(prompt, held[0], after)
-
-    @staticmethod
-    def _find(prompt: bytes, ids: bytes, after: int) -> bool:
-        """Whether the packed `ids` occur in `prompt` at a token boundary past token `after`."""
-        at = prompt.find(ids, after * _ID)
-        while at >= 0 and at % _ID:
-            at = prompt.find(ids, at + 1)
-        return at >= 0
-
     def _containing(self, prompt: bytes) -> Lineage | None:
-        """The most recently extended lineage whose last completion `prompt` contains."""
-        if not self._completions or len(prompt) < MIN_CONTAINED * _ID:
-            return None
-        keys = _window_keys(prompt)
-        starts = self._wanted.among(keys)
-        found = [
-            self.forest.lineages[index]
-            for key in starts
-            for index in self._completions.get(int(key), ())
-            if self._contains(prompt, self.forest.lineages[index], 0)
-        ]
+        """The most recently extended lineage whose last completion `prompt` holds."""
+        found = [self.forest.lineages[owner] for owner in self._completions.containing(prompt)]
         return max(found, key=lambda lin: lin.touched) if found else None
 
     # -- roles -------------------------------------------------------------------------------
@@ -499,56 +452,6 @@ class Assigner:
             lineage.role = "subagent" if lineage.n_turns > 1 else "side"
         main.role = "main"
         self.forest.main = main.index
-
-
-class _Keys:
-    """A growing set of 64-bit keys, looked up many at a time: a sorted array merged with what
-    was added since whenever that grows past it (amortised: each key is sorted in O(log) times)."""
-
-    def __init__(self) -> None:
-        self._sorted: np.ndarray[Any, np.dtype[np.uint64]] | None = None
-        self._recent: set[int] = set()
-
-    def add(self, key: int) -> None:
-        self._recent.add(key)
-        held = 0 if self._sorted is None else len(self._sorted)
-        if len(self._recent) > max(64, held):
-            recent = np.fromiter(self._recent, np.uint64, len(self._recent))
-            merged = recent if self._sorted is None else np.concatenate([self._sorted, recent])
-            self._sorted, self._recent = np.unique(merged), set()
-
-    def among(self, keys: np.ndarray[Any, np.dtype[np.uint64]]) -> list[int]:
-        """Which of `keys` are in the set (each once)."""
-        found: set[int] = set()
-        if self._sorted is not None:
-            at = np.minimum(np.searchsorted(self._sorted, keys), len(self._sorted) - 1)
-            found.update(keys[self._sorted[at] == keys].tolist())
-        if self._recent:
-            found.update(k for k in keys.tolist() if k in self._recent)
-        return list(found)
-
-
-_MASK = (1 << 64) - 1
-_BASE = 1_000_003
-
-
-def _key_of(packed: bytes) -> int:
-    """`_window_keys` of exactly MIN_CONTAINED ids, without numpy (one key a completion)."""
-    key = 0
-    for value in np.frombuffer(packed, TOKEN_DTYPE).tolist():
-        key = (key * _BASE + value) & _MASK
-    return key
-
-
-def _window_keys(packed: bytes) -> np.ndarray[Any, np.dtype[np.uint64]]:
-    """A 64-bit key of every run of MIN_CONTAINED ids (wrapping arithmetic: a hit is checked)."""
-    ids = np.frombuffer(packed, TOKEN_DTYPE).astype(np.uint64)
-    n = max(len(ids) - MIN_CONTAINED + 1, 0)
-    keys = np.zeros(n, np.uint64)
-    with np.errstate(over="ignore"):
-        for j in range(MIN_CONTAINED):
-            keys = keys * np.uint64(_BASE) + ids[j : j + n]
-    return keys
 
 
 def assign(session: SessionRecord) -> Forest:
