@@ -23,10 +23,12 @@ _ID = TOKEN_DTYPE.itemsize
 
 
 class LastCompletions:
-    """The interior of each owner's (lineage's) last completion, and the key of its start."""
+    """The interior of each owner's (lineage's) last completion; the keys that find them in any
+    prompt are computed only when such a search comes (most sessions never need one)."""
 
     def __init__(self) -> None:
-        self._held: dict[int, tuple[bytes, int]] = {}  # owner -> (interior, key)
+        self._held: dict[int, bytes] = {}  # owner -> interior
+        self._keyed: dict[int, int] = {}  # owner -> the key of its interior's start
         self._owners: dict[int, list[int]] = {}  # key -> owners
         self._keys = _Keys()
 
@@ -35,35 +37,36 @@ class LastCompletions:
         self.forget(owner)
         ids = completion[:-_ID] if finish_reason == "stop" else completion
         interior = ids[_ID:-_ID]
-        if len(interior) < MIN_CONTAINED * _ID:
-            return
-        key = _key_of(interior[: MIN_CONTAINED * _ID])
-        self._held[owner] = (interior, key)
-        self._owners.setdefault(key, []).append(owner)
-        self._keys.add(key)
+        if len(interior) >= MIN_CONTAINED * _ID:
+            self._held[owner] = interior
 
     def forget(self, owner: int) -> None:
-        held = self._held.pop(owner, None)
-        if held is not None:
-            self._owners[held[1]].remove(owner)
+        self._held.pop(owner, None)
+        key = self._keyed.pop(owner, None)
+        if key is not None:
+            self._owners[key].remove(owner)
 
     def move(self, owner: int, to: int) -> None:
         """`owner`'s last completion is `to`'s now (a turn that left one lineage for another)."""
-        held = self._held.pop(owner, None)
-        if held is not None:
-            self._owners[held[1]].remove(owner)
-            self._held[to] = held
-            self._owners[held[1]].append(to)
+        interior = self._held.get(owner)
+        self.forget(owner)
+        if interior is not None:
+            self._held[to] = interior
 
     def contains(self, prompt: bytes, owner: int, after: int = 0) -> bool:
         """Whether `prompt` holds `owner`'s last completion past token `after`."""
-        held = self._held.get(owner)
-        return held is not None and find(prompt, held[0], after)
+        interior = self._held.get(owner)
+        return interior is not None and find(prompt, interior, after)
 
     def containing(self, prompt: bytes) -> list[int]:
         """Every owner whose last completion `prompt` holds."""
         if not self._held or len(prompt) < MIN_CONTAINED * _ID:
             return []
+        for owner in self._held.keys() - self._keyed.keys():
+            key = _key_of(self._held[owner][: MIN_CONTAINED * _ID])
+            self._keyed[owner] = key
+            self._owners.setdefault(key, []).append(owner)
+            self._keys.add(key)
         starts = self._keys.among(_window_keys(prompt))
         return [
             owner
