@@ -162,11 +162,13 @@ async def test_errors_come_in_each_apis_shape_before_and_after_the_engine(
     assert bad.status_code == 400
     assert bad.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in bad.json()["error"]["message"]
-    with pytest.raises(openai.BadRequestError) as hosted:
+    with pytest.raises(openai.BadRequestError) as malformed:
         await proxy.agent(session).responses.create(
-            model="tiny", input="hi", tools=[{"type": "web_search"}]
+            model="tiny",
+            input="hi",
+            tools=[{"type": "namespace", "tools": []}],  # type: ignore[list-item]
         )
-    assert "function tools" in str(hosted.value)
+    assert "tools.0: a namespace tool needs a 'name'" in str(malformed.value)
     # The engine's own refusal, passed on in the agent's API's shape and recorded.
     with pytest.raises(anthropic.BadRequestError) as engine:
         await claude(session, default_headers={"X-Fake-Fault": "error-400"}).messages.create(
