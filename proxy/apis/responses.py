@@ -56,6 +56,7 @@ _OWN = {
     "previous_response_id", "conversation", "background", "prompt", "store", "metadata",
     "user", "truncation", "service_tier", "reasoning", "prompt_cache_key", "safety_identifier",
     "stream_options", "max_tool_calls", "prompt_cache_retention", "client_metadata",
+    "prompt_cache_options", "context_management", "moderation",
 }  # fmt: skip
 
 _CALLS = ("function_call", "custom_tool_call", "local_shell_call")
