@@ -197,3 +197,23 @@ async def test_a_claude_code_shaped_session_is_served_and_recorded_with_ids(
     body = {k: v for k, v in request.items() if k != "extra_body"} | request["extra_body"]
     await direct_tokens(vllm, "messages", {**body, "messages": history[:1]}, turns[0])
     await direct_tokens(vllm, "messages", {**body, "messages": history}, turns[1])
+
+
+async def test_count_tokens_counts_the_served_tools_and_names_the_rest(
+    proxy: RunningProxy, vllm: str
+) -> None:
+    session = await proxy.new_session()
+    headers = {"x-api-key": session["api_key"], "anthropic-version": "2023-06-01"}
+    body = {
+        "model": "tiny", "messages": [{"role": "user", "content": "list the files"}],
+        "tools": [{"type": "bash_20250124", "name": "bash"},
+                  {"type": "web_search_20250305", "name": "web_search"}],
+    }  # fmt: skip
+    counted = await proxy.http.post(
+        f"{session['anthropic_base_url']}/v1/messages/count_tokens", json=body, headers=headers
+    )
+    assert counted.status_code == 200, counted.text
+    assert counted.headers["x-trajstore-dropped-tools"] == "tools.1=web_search_20250305"
+    chat = TRANSLATIONS["messages"].to_chat({**body, "max_tokens": 1})
+    direct = await engine_answer(vllm, chat)
+    assert counted.json()["input_tokens"] == len(direct["prompt_token_ids"])
