@@ -6,7 +6,6 @@ other forms, errors in each API's shape, and failures recorded as chat's are.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anthropic
@@ -24,13 +23,6 @@ ADD = {
 }
 CLAUDE_TOOLS: Any = [{"name": "add", "description": "Add two numbers.", "input_schema": ADD}]
 RESPONSES_TOOLS: Any = [{"type": "function", "name": "add", "parameters": ADD}]
-
-
-@pytest.fixture
-async def tool_engine() -> AsyncIterator[FakeEngine]:
-    """A fake engine that calls the first tool it is given, ending on its end-of-turn token."""
-    async with FakeEngine(call_tools=True, completion_tokens=6) as fake:
-        yield fake
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ one sample), hosted and server tools left out and recorded, or refused when the 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anthropic
@@ -16,7 +16,6 @@ import pytest
 from tests.proxy.apis_wire import CLAUDE_CODE_FIRST, CODEX_FIRST, captured, sse
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
-from trajstore.store import EventStore
 
 ADD = {
     "type": "object",
@@ -33,23 +32,17 @@ HEADER = "x-trajstore-dropped-tools"
 
 
 @pytest.fixture
-async def tool_engine() -> AsyncIterator[FakeEngine]:
-    """A fake engine that calls the first tool it is given, ending on its end-of-turn token."""
-    async with FakeEngine(call_tools=True, completion_tokens=6) as fake:
-        yield fake
-
-
-@pytest.fixture
 async def proxy(start_proxy: ProxyFactory, tool_engine: FakeEngine) -> RunningProxy:
     return await start_proxy([tool_engine.url])
 
 
-async def received(proxy: RunningProxy, database_url: str, session_id: str) -> list[dict[str, Any]]:
-    """The session's request_received payloads, in order (once the proxy stored them)."""
+EventsOf = Callable[[str], Awaitable[list[Any]]]  #: the `events_of` fixture
+
+
+async def received(proxy: RunningProxy, events_of: EventsOf, session_id: str) -> list[Any]:
+    """The session's request_received payloads, in order, once the proxy stored them."""
     await proxy.session_record(session_id)  # the proxy writes what it recorded so far
-    async with await EventStore.open(database_url) as store:
-        events = await store.read_session(session_id)
-    return [dict(e.payload) for e in events if e.type == "request_received"]
+    return [dict(e.payload) for e in await events_of(session_id) if e.type == "request_received"]
 
 
 def as_sent(headers: dict[str, str]) -> dict[str, str]:
@@ -57,7 +50,7 @@ def as_sent(headers: dict[str, str]) -> dict[str, str]:
 
 
 async def test_codexs_first_request_is_served_and_its_web_search_recorded_as_left_out(
-    proxy: RunningProxy, tool_engine: FakeEngine, database_url: str
+    proxy: RunningProxy, tool_engine: FakeEngine, events_of: EventsOf
 ) -> None:
     session = await proxy.new_session()
     request = captured(CODEX_FIRST)
@@ -76,7 +69,7 @@ async def test_codexs_first_request_is_served_and_its_web_search_recorded_as_lef
     names = [tool["function"]["name"] for tool in sent["tools"]]
     assert "multi_agent_v1__spawn_agent" in names and len(names) == 12
     assert not {"store", "include", "client_metadata", "prompt_cache_key"} & set(sent)
-    [turn] = await received(proxy, database_url, session["session_id"])
+    [turn] = await received(proxy, events_of, session["session_id"])
     assert turn["api"] == "responses" and turn["body"] == request["body"]
     assert turn["dropped_tools"] == [{"param": "tools.8", "type": "web_search"}]
 
@@ -180,7 +173,7 @@ async def test_refuse_keeps_hosted_and_server_tools_a_400_naming_them(
 
 
 async def test_claude_codes_first_request_is_served_with_its_beta_headers(
-    proxy: RunningProxy, tool_engine: FakeEngine, database_url: str
+    proxy: RunningProxy, tool_engine: FakeEngine, events_of: EventsOf
 ) -> None:
     session = await proxy.new_session()
     request = captured(CLAUDE_CODE_FIRST)
@@ -198,7 +191,7 @@ async def test_claude_codes_first_request_is_served_with_its_beta_headers(
     sent = tool_engine.requests[-1]
     assert len(sent["tools"]) == len(request["body"]["tools"])
     assert not {"metadata", "thinking", "context_management", "output_config"} & set(sent)
-    [turn] = await received(proxy, database_url, session["session_id"])
+    [turn] = await received(proxy, events_of, session["session_id"])
     assert turn["dropped_tools"] == [
         {"param": f"tools.{len(body['tools']) - 1}", "type": "web_search_20250305",
          "name": "web_search"},

@@ -21,9 +21,9 @@ import pytest
 
 from tests.proxy.apis_wire import CODEX_FIRST, captured
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
+from tests.proxy.test_apis_tools import EventsOf, received
 from tests.proxy.test_apis_vllm import assert_same_tokens, engine_answer, recorded
 from trajstore.proxy.apis import TRANSLATIONS
-from trajstore.store import EventStore
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -66,13 +66,6 @@ def codex_body() -> dict[str, Any]:
     return body
 
 
-async def received(proxy: RunningProxy, database_url: str, session_id: str) -> list[Any]:
-    await proxy.session_record(session_id)  # the proxy writes what it recorded so far
-    async with await EventStore.open(database_url) as store:
-        events = await store.read_session(session_id)
-    return [e.payload for e in events if e.type == "request_received"]
-
-
 async def direct_tokens(vllm: str, api: str, body: dict[str, Any], turn: dict[str, Any]) -> None:
     """The turn as recorded is the engine's own greedy answer to the chat the request means
     (rendered from it: the later turns here send back calls the engine did not make)."""
@@ -83,7 +76,7 @@ async def direct_tokens(vllm: str, api: str, body: dict[str, Any], turn: dict[st
 
 
 async def test_a_codex_shaped_session_is_served_and_recorded_with_ids(
-    proxy: RunningProxy, vllm: str, database_url: str
+    proxy: RunningProxy, vllm: str, events_of: EventsOf
 ) -> None:
     session = await proxy.new_session()
     client = proxy.agent(session)
@@ -130,7 +123,7 @@ async def test_a_codex_shaped_session_is_served_and_recorded_with_ids(
     assert [(t["api"], t["status"]) for t in turns] == [("responses", "completed")] * 2
     for turn in turns:
         assert turn["prompt_token_ids"] and turn["choices"][0]["token_ids"]
-    payloads = await received(proxy, database_url, session["session_id"])
+    payloads = await received(proxy, events_of, session["session_id"])
     for payload in payloads:
         assert payload["dropped_tools"] == [
             {"param": "tools.4", "type": "web_search"},
@@ -142,7 +135,7 @@ async def test_a_codex_shaped_session_is_served_and_recorded_with_ids(
 
 
 async def test_a_claude_code_shaped_session_is_served_and_recorded_with_ids(
-    proxy: RunningProxy, vllm: str, database_url: str
+    proxy: RunningProxy, vllm: str, events_of: EventsOf
 ) -> None:
     session = await proxy.new_session()
     client = anthropic.AsyncAnthropic(
@@ -192,7 +185,7 @@ async def test_a_claude_code_shaped_session_is_served_and_recorded_with_ids(
 
     turns = (await recorded(proxy, session["session_id"]))["turns"]
     assert [(t["api"], t["status"]) for t in turns] == [("messages", "completed")] * 2
-    payloads = await received(proxy, database_url, session["session_id"])
+    payloads = await received(proxy, events_of, session["session_id"])
     assert all(p["dropped_tools"][0]["type"] == "web_search_20250305" for p in payloads)
     body = {k: v for k, v in request.items() if k != "extra_body"} | request["extra_body"]
     await direct_tokens(vllm, "messages", {**body, "messages": history[:1]}, turns[0])
