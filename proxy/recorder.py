@@ -132,12 +132,14 @@ class RequestRecorder:
         asked: Asked,
         chat: dict[str, Any] | None = None,
         replica: str | None = None,
+        dropped_tools: list[dict[str, Any]] | None = None,
     ) -> NewEvent:
         """Build (and so validate) the request_received event, before anything is forwarded.
 
         `body` is the agent's request as it sent it; `chat` the chat request it was translated
         to (`proxy.apis`; the body itself for chat): its sampling, messages and render options
         are what the next turn is compared with. `replica`: the proxy replica serving it.
+        `dropped_tools`: the agent's tools the engine did not get (`proxy.apis.Dropped`).
         """
         chat = body if chat is None else chat
         self.api = api
@@ -155,6 +157,8 @@ class RequestRecorder:
         }
         if replica is not None:
             payload["replica"] = replica
+        if dropped_tools:
+            payload["dropped_tools"] = dropped_tools
         messages = chat.get("messages")
         recorded = messages
         if api == "chat" and isinstance(messages, list):

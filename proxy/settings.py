@@ -75,6 +75,13 @@ class ProxySettings(BaseSettings):
         "(a full batch and `finish` never wait for it).",
     )
 
+    hosted_tools: Literal["drop", "refuse"] = Field(
+        default="drop",
+        description="What a Responses or Messages request's tools that the engine cannot run "
+        "(hosted and server tools: web_search, file_search, code_interpreter, mcp, ...) become: "
+        "`drop`, left out of what the engine sees, recorded with the turn (`dropped_tools`) and "
+        "named in the X-Trajstore-Dropped-Tools header; `refuse`, a 400 naming the tool.",
+    )
     continuation: Literal["tokens", "text"] = Field(
         default="tokens",
         description="How a chat turn that continues an earlier turn of its lineage reaches the "
