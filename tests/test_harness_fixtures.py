@@ -1,0 +1,53 @@
+"""Real agent CLIs' request sequences (tests/fixtures/harnesses/), replayed through the proxy.
+
+The CLIs themselves run in `benchmarks/agents.py` (the harness matrix); here their recorded
+bodies go through a session in order, each answered by the fake engine as it was live, and every
+model call must come out a turn with prompt and completion ids.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness_fixtures import ReplayEngine, fixture_names, load_fixture, replay
+from tests.proxy.fixtures import ProxyFactory
+
+#: What docs/agents.md describes; each must keep a fixture.
+HARNESSES = {"codex", "claude-code", "opencode", "qwen-code", "mini-swe-agent", "smolagents"}
+
+
+def test_each_harness_of_the_matrix_has_a_fixture_of_a_multi_turn_run() -> None:
+    assert set(fixture_names()) == HARNESSES
+    for name in HARNESSES:
+        fixture = load_fixture(name)
+        assert fixture.header["exit"] == 0, name
+        assert len(fixture.model_calls) >= 3, name  # ls, a read, an answer at least
+        assert all(c["recorded"]["completion_token_ids"] for c in fixture.model_calls), name
+
+
+@pytest.mark.parametrize("name", sorted(HARNESSES))
+async def test_a_harness_sequence_replays_with_every_call_recorded_with_ids(
+    name: str, start_proxy: ProxyFactory
+) -> None:
+    fixture = load_fixture(name)
+    async with ReplayEngine() as engine:
+        proxy = await start_proxy([engine.url])
+        session = await proxy.new_session(task_id=name)
+        replayed = await replay(fixture, session, engine, proxy.http)
+        record = await proxy.session_record(session["session_id"])
+
+    assert [r.status for r in replayed] == [r.call["status"] for r in replayed]
+    turns = record["turns"]
+    assert [t["api"] for t in turns] == [c["api"] for c in fixture.model_calls]
+    for turn, call in zip(turns, fixture.model_calls, strict=True):
+        assert turn["status"] == "completed"
+        assert turn["prompt_token_ids"]
+        assert turn["choices"][0]["token_ids"] == call["recorded"]["completion_token_ids"]
+    # The replies are the ones the CLI saw, so what the proxy continued live it continues again.
+    live = {
+        i
+        for i, c in enumerate(fixture.model_calls)
+        if c["recorded"]["prompt_source"] == "continued"
+    }
+    again = {i for i, t in enumerate(turns) if t["prompt_source"] == "continued"}
+    assert live <= again
