@@ -258,12 +258,13 @@ async def main(args: argparse.Namespace) -> int:
                           f"{row.recorded} recorded, {row.seconds:.0f} s", flush=True)  # fmt: skip
                     if not row.ok:
                         print(row.tail)
-                    if args.save_fixtures and engine.kind == "fake":
+                    if args.save_fixtures:
                         header = {"harness": harness.name, "package": harness.package,
                                   "version": harness.version, "api": harness.api,
-                                  "engine": "fake (scripted tool calls)", "task": TASK,
+                                  "engine": engine.kind, "task": TASK,
                                   "exit": row.exit}  # fmt: skip
-                        path = Path(args.save_fixtures) / f"{harness.name}.jsonl.gz"
+                        suffix = "" if engine.kind == "fake" else f".{engine.kind}"
+                        path = Path(args.save_fixtures) / f"{harness.name}{suffix}.jsonl.gz"
                         size = write_fixture_file(path, header, calls)
                         print(f"  fixture {path}: {len(calls)} requests, {size / 1024:.0f} KiB")
                 await engine.stop()

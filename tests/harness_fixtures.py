@@ -2,8 +2,9 @@
 
 Each fixture in tests/fixtures/harnesses/ is what one pinned CLI (Codex, Claude Code, opencode,
 Qwen Code, mini-swe-agent, smolagents) sent through a trajstore session while it worked on one
-small task against the tool-calling fake engine (`python benchmarks/agents.py --engine fake
---save-fixtures tests/fixtures/harnesses`; docs/agents.md says what each sequence holds). A file
+small task: NAME.jsonl.gz against the tool-calling fake engine, NAME.vllm.jsonl.gz against the
+real vLLM (`python benchmarks/agents.py --save-fixtures tests/fixtures/harnesses`; docs/agents.md
+says what each sequence holds). A file
 is gzipped JSON lines: a header (`harness`, `package`, `version`, `api`, `task`, `exit`), then
 one line per HTTP request, in arrival order:
 
@@ -57,12 +58,13 @@ class Fixture:
 
 
 def fixture_names() -> list[str]:
-    """The harnesses that have a fixture."""
+    """The fixtures: `NAME` for a harness on the tool-calling fake engine, `NAME.vllm` on the
+    real vLLM (the tiny model's random text ends most CLIs after one call)."""
     return sorted(p.name.removesuffix(".jsonl.gz") for p in FIXTURES.glob("*.jsonl.gz"))
 
 
 def load_fixture(name: str) -> Fixture:
-    """Read tests/fixtures/harnesses/NAME.jsonl.gz."""
+    """Read tests/fixtures/harnesses/NAME.jsonl.gz (NAME as `fixture_names` gives it)."""
     lines = gzip.decompress((FIXTURES / f"{name}.jsonl.gz").read_bytes()).splitlines()
     header, *calls = (orjson.loads(line) for line in lines if line)
     return Fixture(name, header, calls)
@@ -110,17 +112,23 @@ class Replayed:
     body: bytes
 
 
-async def replay(
-    fixture: Fixture,
-    session: JSON,
-    engine: ReplayEngine,
-    http: httpx.AsyncClient,
-) -> list[Replayed]:
-    """Send the fixture's model calls (count_tokens included) in order through `session` (as
-    `POST /sessions` returned it), each answered by `engine` as recorded; read each answer whole
-    before the next. Requests that are no model call are left out."""
+async def send(http: httpx.AsyncClient, session: JSON, call: JSON, body: Any = None) -> Replayed:
+    """Send one fixture call (its method, path, headers and body, or `body`) through `session`
+    (as `POST /sessions` returned it) and read the answer whole."""
     base = session["base_url"].removesuffix("/v1")
-    auth = {"authorization": f"Bearer {session['api_key']}"}
+    headers = {**call["headers"], "authorization": f"Bearer {session['api_key']}"}
+    content = orjson.dumps(call["body"] if body is None else body)
+    async with http.stream(call["method"], base + call["path"], content=content,
+                           headers=headers) as answer:  # fmt: skip
+        return Replayed(call, answer.status_code, await answer.aread())
+
+
+async def replay(
+    fixture: Fixture, session: JSON, engine: ReplayEngine, http: httpx.AsyncClient
+) -> list[Replayed]:
+    """Send the fixture's model calls (count_tokens included) in order through `session`, each
+    answered by `engine` as recorded; each answer is read whole before the next call. Requests
+    that are no model call are left out."""
     done = []
     for call in fixture.calls:
         if call["api"] is None:
@@ -128,10 +136,5 @@ async def replay(
         recorded = call.get("recorded")
         if call["api"] in TURN_APIS and recorded and recorded.get("completion_token_ids"):
             engine.expect(recorded)
-        headers = {**call["headers"], **auth}
-        async with http.stream(
-            call["method"], base + call["path"], content=orjson.dumps(call["body"]),
-            headers=headers,
-        ) as answer:  # fmt: skip
-            done.append(Replayed(call, answer.status_code, await answer.aread()))
+        done.append(await send(http, session, call))
     return done

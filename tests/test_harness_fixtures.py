@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness_fixtures import ReplayEngine, fixture_names, load_fixture, replay
+from tests.harness_fixtures import ReplayEngine, fixture_names, load_fixture, replay, send
 from tests.proxy.fixtures import ProxyFactory
 
 #: What docs/agents.md describes; each must keep a fixture.
@@ -17,7 +17,7 @@ HARNESSES = {"codex", "claude-code", "opencode", "qwen-code", "mini-swe-agent", 
 
 
 def test_each_harness_of_the_matrix_has_a_fixture_of_a_multi_turn_run() -> None:
-    assert set(fixture_names()) == HARNESSES
+    assert set(fixture_names()) == HARNESSES | {f"{name}.vllm" for name in HARNESSES}
     for name in HARNESSES:
         fixture = load_fixture(name)
         assert fixture.header["exit"] == 0, name
@@ -25,7 +25,7 @@ def test_each_harness_of_the_matrix_has_a_fixture_of_a_multi_turn_run() -> None:
         assert all(c["recorded"]["completion_token_ids"] for c in fixture.model_calls), name
 
 
-@pytest.mark.parametrize("name", sorted(HARNESSES))
+@pytest.mark.parametrize("name", fixture_names())
 async def test_a_harness_sequence_replays_with_every_call_recorded_with_ids(
     name: str, start_proxy: ProxyFactory
 ) -> None:
@@ -51,3 +51,25 @@ async def test_a_harness_sequence_replays_with_every_call_recorded_with_ids(
     }
     again = {i for i, t in enumerate(turns) if t["prompt_source"] == "continued"}
     assert live <= again
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["claude-code", "codex", "qwen-code"])
+async def test_a_real_harness_first_prompt_fits_the_engine_and_is_recorded_token_for_token(
+    name: str, start_proxy: ProxyFactory, vllm: str
+) -> None:
+    # Claude Code's (Messages, 31 k tokens), Codex's (Responses, 18 k) and Qwen Code's (chat,
+    # 49 k) first requests, as each sent them to the real vLLM, but for a short answer.
+    fixture = load_fixture(f"{name}.vllm")
+    first = fixture.model_calls[0]
+    limit = "max_output_tokens" if first["api"] == "responses" else "max_tokens"
+    proxy = await start_proxy([vllm])
+    session = await proxy.new_session(task_id=name)
+    answer = await send(proxy.http, session, first, {**first["body"], limit: 16})
+    assert answer.status == 200, answer.body[:500]
+    [turn] = (await proxy.session_record(session["session_id"]))["turns"]
+    live = first["recorded"]["prompt_token_ids"]
+    assert len(live) > 15_000
+    assert turn["prompt_token_ids"] == live  # the same tokenizer and template as live
+    assert 0 < len(turn["choices"][0]["token_ids"]) <= 16
