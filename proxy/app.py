@@ -33,7 +33,7 @@ from typing import Annotated, Any
 
 import aiohttp
 import orjson
-from fastapi import Depends, FastAPI, Header, Request, WebSocket
+from fastapi import Depends, FastAPI, Header, Query, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
@@ -41,7 +41,7 @@ from starlette.types import Receive, Scope, Send
 
 from trajstore.proxy.admission import Admission, RateLimit
 from trajstore.proxy.auth import admin_key_is_valid, require_orchestrator_key, require_session_key
-from trajstore.proxy.continuation import last_turn_in_log
+from trajstore.proxy.continuation import turn_in_log
 from trajstore.proxy.engines import EnginePool
 from trajstore.proxy.errors import (
     NotFound,
@@ -138,19 +138,21 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
         )
         metrics.watch_admission(admission)
         await registry.replicas.start()  # before serving: a finish elsewhere must reach us
+        forwarder = Forwarder(
+            http,
+            engines,
+            writer,
+            settings,
+            metrics,
+            turn_in_log=functools.partial(turn_in_log, store, registry.replicas),
+            replica_id=replica_id,
+        )
+        registry.on_closed.append(forwarder.contexts.forget)
         app.state.proxy = ProxyState(
             settings=settings,
             store=store,
             registry=registry,
-            forwarder=Forwarder(
-                http,
-                engines,
-                writer,
-                settings,
-                metrics,
-                last_turn=functools.partial(last_turn_in_log, store, registry.replicas),
-                replica_id=replica_id,
-            ),
+            forwarder=forwarder,
             engines=engines,
             metrics=metrics,
             public_url=public_url,
@@ -276,16 +278,26 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/sessions/{session_id}")
     async def get_session(
-        session_id: str, state: State, authorization: Authorization = None
+        session_id: str,
+        state: State,
+        authorization: Authorization = None,
+        turn: Annotated[int | None, Query(ge=0, description="A turn to give whole")] = None,
     ) -> Response:
+        """The session as recorded: each turn with what it added to the turn it continues
+        (`prompt_added` after `prompt_prefix`, `messages` after `messages_prefix`, as the log
+        stores them: the answer grows with the session, not its square); with `turn`, that
+        turn also whole (`prompt_token_ids`, all its `messages`)."""
         _require_session_key(state, session_id, authorization)
         await state.registry.get(session_id)
         await state.registry.writer.flush()  # show what this replica recorded so far
         events = await state.store.read_session(session_id)
-        return Response(
-            orjson.dumps(rebuild_session(session_id, events).as_json()),
-            media_type="application/json",
-        )
+        record = rebuild_session(session_id, events)
+        view = record.as_json()
+        if turn is not None:
+            if turn >= len(record.turns):
+                raise NotFound(f"session {session_id!r} has {len(record.turns)} turns")
+            view["turns"][turn] = record.turns[turn].as_json(whole=True)
+        return Response(orjson.dumps(view), media_type="application/json")
 
     @app.post("/sessions/{session_id}/reward")
     async def reward(

@@ -1,21 +1,27 @@
-"""Token-in continuation: a turn that continues the session's previous one reaches the engine as
-the ids the engine already saw and sampled, plus the template's rendering of the new messages.
+"""Token-in continuation: a turn that continues an earlier turn of its lineage reaches the engine
+as the ids the engine already saw and sampled, plus the template's rendering of the new messages.
 
 An agent sends back the assistant's *text*. Rendered through the chat template and tokenised
 again, it often gives other ids than those sampled (a different split of the same text, reasoning
 a template strips from earlier turns, a tool call re-serialised): the engine then sees a context
 the model never produced, and the turns cannot be joined into one training sample. The proxy
-knows the ids, so when it can prove that a request continues the previous turn it sends the
-engine the previous prompt + the sampled completion + the new messages' ids, as a pre-tokenised
-prompt on the same `/v1/chat/completions` request (vLLM: `kv_transfer_params.prompt_token_ids`;
-the answer, its tool-call and reasoning parsing stay the engine's).
+knows the ids, so when it can show that a request continues an earlier turn it sends the engine
+that turn's prompt + the sampled completion + the new messages' ids, as a pre-tokenised prompt on
+the same `/v1/chat/completions` request (vLLM: `kv_transfer_params.prompt_token_ids`; the
+answer, its tool-call and reasoning parsing stay the engine's).
 
-The rule. The previous turn k had messages M, prompt ids P and, per choice i, completion ids C_i
-and the reply A_i the proxy returned. This request continues choice i when, in order (the first
-check that fails names the fallback, recorded with the turn, and the prompt is rendered from the
-messages as the agent sent them, exactly as without this module):
+Which turn. A session holds several conversations (`store.lineages`); the turn continued is the
+deepest earlier turn whose messages the request repeats first (`proxy.lineages`: from this
+replica's memory, else the session's log). Lineages of one session may be in flight at once;
+nothing is locked across them.
 
-1. `no_previous_turn`: the session has a completed chat turn (in memory, else read from the log).
+The rule. That turn k had messages M, prompt ids P and, per choice i, completion ids C_i and the
+reply A_i the proxy returned. This request continues choice i when, in order (the first check that
+fails names the fallback, recorded with the turn, and the prompt is rendered from the messages as
+the agent sent them, exactly as without this module):
+
+1. `no_previous_turn`: the session has a completed turn (in memory, else read from the log);
+   `history_changed`: none of its turns' messages start the request's.
 2. `history_changed` / `no_new_messages`: messages = M + [A] + N with N not empty; M comes back
    exactly (compared as orjson serialises it: an agent sends its own messages back verbatim).
 3. `reply_changed`: A equals one choice's reply, compared parsed, as clients really differ:
@@ -31,21 +37,35 @@ messages as the agent sent them, exactly as without this module):
    image's placeholder ids mean nothing to the engine without the image, and vLLM renders the
    messages of such a request itself, ignoring the ids (which would then count as
    `engine_ignored_token_prompt` and stop continuation on that engine for every session).
-7. The engine renders (its `/tokenize`, which applies the model's own chat template):
-       R = render(M + [A] + N, generation prompt)         what the engine would see from text
-       S = render(BASE + N, gen) minus render(BASE)        the new messages, after a neutral BASE
+   `lineage_not_separable`: an audit (below) found this lineage's template not separable.
+7. The engine renders (its `/tokenize`, which applies the model's own chat template), with a
+   neutral conversation BASE in place of the history, so that the cost is the new messages':
+       B = render(BASE + [A])                   the reply, as the template ends one
+       W = render(BASE + [A] + N, generation)   then the new messages
        E = what render(BASE + [reply "a"]) and render(BASE + [reply "b"]) end with alike:
-           how the template ends a reply (ChatML: `<|im_end|>` and a newline)
-   The glue g after the sampled ids is E without its first token when C_i ends with that
-   token (the engine stopped on the template's end of turn and sampled it), and all of E when
-   C_i was cut by `length` (the end of turn is the template's, as it would be from text, and
-   the projection gives it loss mask 0). `end_not_in_template`: C_i stopped on another token.
-   `not_separable`: R does not end with E + S, i.e. the new messages would not render the same
-   after the real history, or the real reply does not end as the template ends one.
-   `engine_cannot_render`: the engine has no `/tokenize`, or the template refused BASE (a
+           how the template ends a reply (ChatML: `<|im_end|>` and a newline; cached)
+   `not_separable` unless W starts with B (the new messages leave the reply as it was) and B
+   ends with E (the real reply ends as the template ends one). S = W after B: the new
+   messages' ids. The glue g after the sampled ids is E without its first token when C_i ends
+   with that token (the engine stopped on the template's end of turn and sampled it), and all of
+   E when C_i was cut by `length` (the end of turn is the template's, as it would be from text,
+   and the projection gives it loss mask 0). `end_not_in_template`: C_i stopped on another
+   token. `engine_cannot_render`: the engine has no `/tokenize`, or the template refused BASE (a
    template enforcing strict role alternation may).
-8. The prompt is P + C_i + g + S. Where it differs from R first is the drift avoided (`None`
-   when there is none: the template happened to re-render the sampled ids exactly).
+8. The prompt is P + C_i + g + S.
+
+What the check proves, and what it no longer proves. It proves that the template renders the
+new messages after this reply as S, and ends the reply as it ends any: the prompt is what the
+template would give if it renders each message independently of what came before. It no longer
+renders the whole conversation every turn, so it does not prove that the real history leaves the
+rendering of the new messages unchanged (a template that numbers tool results, strips reasoning
+before the last user message, or changes once a conversation is long). The *audit* does: on a
+lineage's first continued turn and every `audit_every` continued turns after it
+(`TRAJSTORE_CONTINUATION_AUDIT_EVERY`, default 16), the engine also renders the whole
+conversation R = render(M + [A] + N, generation), which must end with E + S; where it does not,
+the turn is rendered from its messages (`audit_failed`) and the lineage is rendered from then on
+(`lineage_not_separable`). Where the prompt first differs from R is the drift avoided (`drift_at`,
+`None` when there is none), measured on audited turns only.
 
 The engine echoes the prompt it used (`prompt_token_ids`); the recorder checks it on every
 continued turn, and an engine that did not honour the ids (`engine_ignored_token_prompt`) gets
@@ -61,7 +81,6 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -70,10 +89,12 @@ import orjson
 from trajstore.proxy.apis import TRANSLATIONS
 from trajstore.proxy.engines import Engine
 from trajstore.proxy.errors import ProxyError
+from trajstore.proxy.lineages import Ending, Turn
 from trajstore.proxy.replicas import Replicas
 from trajstore.proxy.transport import TransportError
 from trajstore.store import EventStore, StoreError
-from trajstore.store.sessions import TurnRecord, rebuild_session
+from trajstore.store.records import TurnRecord
+from trajstore.store.sessions import rebuild_session
 from trajstore.store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
 
 log = logging.getLogger(__name__)
@@ -98,15 +119,6 @@ def _renders_plainly(body: dict[str, Any]) -> bool:
 Source = Literal["continued", "rendered"]
 
 
-class Ending(NamedTuple):
-    """How one choice of a turn ended, as the next turn may continue it."""
-
-    tokens: bytes  #: the completion's ids, packed
-    finish_reason: str | None
-    stop_reason: Any
-    reply: dict[str, Any] | None  #: the assistant message the proxy returned
-
-
 class Plan(NamedTuple):
     """How this request's prompt reaches the engine."""
 
@@ -115,14 +127,21 @@ class Plan(NamedTuple):
     token_ids: np.ndarray[Any, np.dtype[np.int32]] | None = None
     packed: bytes = b""  #: the same, packed: what the engine's echo must equal
     fallback: str | None = None  #: why the prompt is rendered (None: nothing to continue)
-    drift_at: int | None = None  #: continued: where the text rendering would first differ
-    choice: int | None = None  #: continued: which choice of the previous turn
+    drift_at: int | None = None  #: audited: where the text rendering would first differ
+    choice: int | None = None  #: continued: which choice of the turn continued
+    turn: Turn | None = None  #: the turn continued (or, rendered, the one it looked like)
+    audit: bool = False  #: whether the whole conversation was rendered to check it
 
     def as_json(self) -> dict[str, Any]:
         """What the prompt_tokens event records of it (the contract in `store.sessions`)."""
         out: dict[str, Any] = {"prompt_source": self.source}
         if self.source == "continued":
-            out["continuation"] = {"choice": self.choice, "drift_at": self.drift_at}
+            # The turn continued is the one the prompt's `prefix` names; `drift_at` is there
+            # only when measured (an audited turn).
+            continued: dict[str, Any] = {"choice": self.choice}
+            if self.audit:
+                continued["drift_at"] = self.drift_at
+            out["continuation"] = continued
         elif self.fallback is not None:
             out["continuation"] = {"fallback": self.fallback}
         return out
@@ -175,39 +194,6 @@ def same_reply(sent: dict[str, Any], returned: dict[str, Any] | None) -> bool:
     )
 
 
-# -- the continuation itself -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Turn:
-    """The session's previous chat turn, as a continuation needs it."""
-
-    request_id: str
-    prompt: bytes  #: its prompt ids, packed
-    n_messages: int
-    messages: bytes  #: its messages as orjson serialises them
-    render_key: bytes
-    choices: tuple[Ending, ...]
-    api: str = "chat"  #: the API it came in (its messages are the chat ones it was sent as)
-    #: For a turn read from the log: its messages and render options, parsed. PostgreSQL's
-    #: jsonb does not keep key order, so these are compared as values, not as bytes.
-    from_log: tuple[list[Any], list[Any]] | None = None
-    #: The images this replica recorded for the session up to this turn, by sha256: the next
-    #: turn refers to them instead of recording them again (`proxy.images`).
-    images: frozenset[str] = frozenset()
-
-    @property
-    def tokens(self) -> bytes:
-        """Its prompt + completion (choice 0), packed: what a later prompt may reference."""
-        return self.prompt + self.choices[0].tokens if self.choices else self.prompt
-
-    @property
-    def size(self) -> int:
-        """About how many bytes it holds."""
-        held = len(self.prompt) + len(self.messages) + len(self.render_key)
-        return held + sum(len(ending.tokens) for ending in self.choices)
-
-
 class _Refused(Exception):
     """The engine cannot render this conversation (no /tokenize, or the template refused it)."""
 
@@ -224,19 +210,22 @@ def _ends_with(ids: Sequence[int], tail: Sequence[int]) -> bool:
     return len(tail) <= len(ids) and list(ids[len(ids) - len(tail) :]) == list(tail)
 
 
+# -- the turn continued, from the log -----------------------------------------------------
+
+
 def turn_from_record(record: TurnRecord) -> Turn | None:
-    """A completed chat turn as rebuilt from the log (`rebuild_session(packed=True)`), or None."""
+    """A completed turn as rebuilt from the log (`rebuild_session(packed=True)`), or None."""
     translation = TRANSLATIONS.get(record.api)
     if record.status != "completed" or (record.api != "chat" and translation is None):
         return None
+    body = {**record.body, "messages": record.messages}
     try:
-        chat = record.body if translation is None else translation.to_chat(record.body)
+        chat = body if translation is None else translation.to_chat(record.body)
     except ProxyError:
         return None
     messages = chat.get("messages")
-    if not isinstance(messages, list):
-        return None
-    if not isinstance(record.prompt_token_ids, bytes) or not record.choices:
+    prompt = record.prompt_token_ids
+    if not isinstance(messages, list) or not isinstance(prompt, bytes) or not record.choices:
         return None
     endings = []
     for index in range(len(record.choices)):
@@ -245,28 +234,27 @@ def turn_from_record(record: TurnRecord) -> Turn | None:
             return None
         tokens = choice.token_ids if isinstance(choice.token_ids, bytes) else b""
         endings.append(Ending(tokens, choice.finish_reason, choice.stop_reason, choice.message))
-    options = [chat.get(field) for field in RENDER_FIELDS]
+    options = [chat.get(name) for name in RENDER_FIELDS]
     return Turn(
-        record.request_id,
-        record.prompt_token_ids,
-        len(messages),
-        b"",
-        b"",
-        tuple(endings),
-        api=record.api,
-        from_log=(messages, options),
-    )
+        record.request_id, len(prompt) // 4, len(messages), 0, b"", b"", tuple(endings),
+        api=record.api, from_log=(messages, options), held_prompt=prompt,
+    )  # fmt: skip
 
 
-async def last_turn_in_log(
-    store: EventStore, replicas: Replicas, session_id: str, wait: float = 2.0
+async def turn_in_log(
+    store: EventStore,
+    replicas: Replicas,
+    session_id: str,
+    messages: list[Any],
+    wait: float = 2.0,
 ) -> Turn | None:
-    """The session's last completed chat turn as the log has it, for a turn that continues
-    one this replica does not remember (served by another replica, or before a restart).
+    """The deepest turn of the session's log whose messages and reply `messages` starts with,
+    for a request that continues a turn this replica does not remember (served by another
+    replica, before a restart, or forgotten).
 
     The other replicas are asked to store the session's events first (the finish barrier), but
-    for `wait` seconds at most: a turn is not held up for long; without them, the log's last
-    turn may be an older one, and the checks then fall back to rendering.
+    for `wait` seconds at most: a turn is not held up for long; without them, the log may lack
+    the turn continued, and the request is then rendered from its messages.
     """
     try:
         async with asyncio.timeout(wait):
@@ -274,30 +262,31 @@ async def last_turn_in_log(
     except (TimeoutError, ProxyError, StoreError) as exc:
         log.info("continuation reads %s's log without every replica's writes: %s", session_id, exc)
     record = rebuild_session(session_id, await store.read_session(session_id), packed=True)
-    for turn in reversed(record.turns):
-        if turn.status == "completed" and turn.api != "completions":
-            return turn_from_record(turn)
-    return None
+    best: Turn | None = None
+    # Cheap first: the message after the turn's must be its reply; only then the whole list.
+    for candidate in reversed(record.turns):
+        if candidate.status != "completed" or candidate.api == "completions":
+            continue
+        n = _n_messages(candidate)
+        if n is None or n + 1 >= len(messages) or (best and best.n_messages >= n):
+            continue
+        if not any(same_reply(messages[n], c.message) for c in candidate.choices.values()):
+            continue
+        turn = turn_from_record(candidate)
+        if turn is not None and turn.from_log and messages[:n] == turn.from_log[0]:
+            best = turn
+    return best
 
 
-def _same_options(body: dict[str, Any], turn: Turn) -> bool:
-    if turn.from_log is not None:
-        return [body.get(field) for field in RENDER_FIELDS] == turn.from_log[1]
-    return render_key(body) == turn.render_key
+def _n_messages(record: TurnRecord) -> int | None:
+    """How many messages the turn sent (from counts for chat: no list is built)."""
+    if record.api == "chat":
+        return record.n_messages
+    turn = turn_from_record(record)
+    return None if turn is None else turn.n_messages
 
 
-def _continued_messages(messages: list[Any], turn: Turn, now: bytes) -> bool:
-    """Whether `messages` starts with `turn`'s messages, byte for byte as serialised."""
-    if turn.from_log is not None:
-        n = turn.n_messages
-        return len(messages) > n and messages[:n] == turn.from_log[0]
-    before = turn.messages
-    cut = len(before) - 1
-    return (
-        len(messages) > turn.n_messages
-        and now[cut : cut + 1] == b","
-        and now.startswith(memoryview(before)[:cut])
-    )
+# -- the continuation itself -------------------------------------------------------------------
 
 
 class Continuer:
@@ -309,10 +298,12 @@ class Continuer:
         enabled: bool = True,
         headers: dict[str, str] | None = None,
         timeout: float = 30.0,
+        audit_every: int = 16,
     ) -> None:
         self.enabled = enabled
         self.headers = headers or {}
         self.timeout = timeout
+        self.audit_every = audit_every
         # Per engine and render options: (render(BASE), E), which every turn reuses.
         self._bases: OrderedDict[tuple[str, bytes], tuple[list[int], list[int]]] = OrderedDict()
 
@@ -320,62 +311,89 @@ class Continuer:
         self,
         engine: Engine,
         body: dict[str, Any],
-        messages_json: bytes,
-        turn: Turn | None,
+        candidates: Sequence[Turn],
+        known: Turn | None,
         read_log: Callable[[], Awaitable[Turn | None]],
     ) -> Plan:
-        """How to send this request's prompt; `read_log` gives the session's last chat turn
-        from the log, asked only when the replica's memory has none that fits."""
+        """How to send this request's prompt. `candidates`: the remembered turns whose messages
+        it repeats, deepest first (`SessionTurns.continued_by`); `known`: the session's latest
+        remembered turn; `read_log` gives the deepest such turn from the session's log, asked
+        only when this replica remembers nothing of the session (or a later turn than the one
+        it found): a request whose history matches no remembered turn has `history_changed`."""
         messages: list[Any] = body["messages"]
         if not self.enabled or not _has_history(messages):
             return RENDERED
         if _has_media(messages):
             return RENDERED._replace(fallback="non_text_content")
-        if turn is not None and turn.n_messages == 0:
-            turn = None  # a completions turn: nothing a chat request can continue
-        if turn is None or _needs_later_turn(messages, turn, messages_json):
-            turn = await read_log() or turn
+        turn = _deepest(messages, candidates)
+        if (turn is None and known is None) or (turn and _needs_later_turn(messages, turn)):
+            turn = await read_log() or turn  # forgotten, or served by another replica
         if turn is None:
-            return RENDERED._replace(fallback="no_previous_turn")
-        fallback, choice = _check(body, messages, messages_json, turn)
+            return RENDERED._replace(
+                fallback="no_previous_turn" if known is None else "history_changed"
+            )
+        rendered = RENDERED._replace(turn=turn)
+        fallback, choice = _check(body, messages, turn)
+        if fallback is None and turn.chain is not None and turn.chain.off:
+            fallback = turn.chain.off
         if fallback is not None:
-            return RENDERED._replace(fallback=fallback)
+            return rendered._replace(fallback=fallback)
         assert choice is not None
         if not engine.token_prompts:
-            return RENDERED._replace(fallback="engine_ignored_token_prompt")
+            return rendered._replace(fallback="engine_ignored_token_prompt")
+        chain = turn.chain
+        audit = self.audit_every > 0 and (chain is None or chain.continued % self.audit_every == 0)
         try:
-            return await self._build(engine, body, turn, choice)
+            plan = await self._build(engine, body, turn, choice, audit)
         except _Refused as exc:
             log.info("continuation: the engine at %s cannot render: %s", engine.url, exc)
-            return RENDERED._replace(fallback="engine_cannot_render")
+            return rendered._replace(fallback="engine_cannot_render")
+        if plan.fallback == "audit_failed" and chain is not None:
+            chain.off = "lineage_not_separable"
+        return plan
 
-    async def _build(self, engine: Engine, body: dict[str, Any], turn: Turn, choice: int) -> Plan:
+    async def _build(
+        self, engine: Engine, body: dict[str, Any], turn: Turn, choice: int, audit: bool
+    ) -> Plan:
         messages = body["messages"]
-        new = messages[turn.n_messages + 1 :]
+        reply, new = messages[turn.n_messages], messages[turn.n_messages + 1 :]
         ending = turn.choices[choice]
-        (base, reply_end), with_new, text = await _gather(
+        renders = [
             self._base(engine, body),
-            self._render(engine, body, [*BASE, *new], generation=True),
-            self._render(engine, body, messages, generation=True),
-        )
-        if with_new[: len(base)] != base:
-            return RENDERED._replace(fallback="not_separable")
-        new_ids = with_new[len(base) :]
+            self._render(engine, body, [*BASE, reply], generation=False),
+            self._render(engine, body, [*BASE, reply, *new], generation=True),
+        ]
+        if audit:
+            renders.append(self._render(engine, body, messages, generation=True))
+        (base, reply_end), with_reply, with_new, *whole = await _gather(*renders)
+        rendered = RENDERED._replace(turn=turn)
+        if (
+            with_reply[: len(base)] != base
+            or with_new[: len(with_reply)] != with_reply
+            or not _ends_with(with_reply, reply_end)
+        ):
+            return rendered._replace(fallback="not_separable")
+        new_ids = with_new[len(with_reply) :]
         if ending.finish_reason == "length":
             glue = reply_end
         elif reply_end and np.frombuffer(ending.tokens, TOKEN_DTYPE)[-1] == reply_end[0]:
             glue = reply_end[1:]
         else:
-            return RENDERED._replace(fallback="end_not_in_template")
-        if not _ends_with(text, [*reply_end, *new_ids]):
-            return RENDERED._replace(fallback="not_separable")
+            return rendered._replace(fallback="end_not_in_template")
         # Packed through array('I') (store.tokens), not numpy: a long rendering is a list of
         # Python ints, and numpy converts those one by one.
         packed = b"".join((turn.prompt, ending.tokens, encode_token_ids([*glue, *new_ids])))
-        rendered = encode_token_ids(text)
-        drift = None if packed == rendered else shared_prefix(packed, rendered)
+        drift = None
+        if audit:
+            text = whole[0]
+            if not _ends_with(text, [*reply_end, *new_ids]):
+                return rendered._replace(fallback="audit_failed", audit=True)
+            as_text = encode_token_ids(text)
+            drift = None if packed == as_text else shared_prefix(packed, as_text)
         prompt = np.frombuffer(packed, TOKEN_DTYPE)
-        return Plan("continued", prompt, packed, drift_at=drift, choice=choice)
+        return Plan(
+            "continued", prompt, packed, drift_at=drift, choice=choice, turn=turn, audit=audit
+        )
 
     async def _base(self, engine: Engine, body: dict[str, Any]) -> tuple[list[int], list[int]]:
         """render(BASE) and how the template ends a reply (E), cached per render options."""
@@ -404,9 +422,9 @@ class Continuer:
             "messages": messages,
             "add_generation_prompt": generation,
         }
-        for field in RENDER_FIELDS:
-            if body.get(field) is not None:
-                request[field] = body[field]
+        for name in RENDER_FIELDS:
+            if body.get(name) is not None:
+                request[name] = body[name]
         try:
             answer = await engine.connection().send(
                 "POST", "/tokenize", orjson.dumps(request),
@@ -448,29 +466,41 @@ def _has_history(messages: list[Any]) -> bool:
     return any(m.get("role") == "assistant" for m in messages[:-1])
 
 
-def _needs_later_turn(messages: list[Any], turn: Turn, messages_json: bytes) -> bool:
+def _deepest(messages: list[Any], candidates: Sequence[Turn]) -> Turn | None:
+    """The deepest candidate, preferring (at one depth) the most recent whose reply the request
+    repeats."""
+    if not candidates:
+        return None
+    depth = candidates[0].n_messages
+    level = [t for t in candidates if t.n_messages == depth]
+    sent = messages[depth] if depth < len(messages) else None
+    for turn in reversed(level):
+        if sent is not None and any(same_reply(sent, e.reply) for e in turn.choices):
+            return turn
+    return level[-1]
+
+
+def _needs_later_turn(messages: list[Any], turn: Turn) -> bool:
     """Whether the messages go on past `turn` with a reply it did not give (a later turn, served
-    by another replica), so that the log may know a better previous turn."""
-    return _continued_messages(messages, turn, messages_json) and any(
-        m.get("role") == "assistant" for m in messages[turn.n_messages + 1 :]
-    )
+    by another replica or forgotten), so that the log may know a better turn to continue."""
+    return any(m.get("role") == "assistant" for m in messages[turn.n_messages + 1 :])
 
 
-def _check(
-    body: dict[str, Any], messages: list[Any], messages_json: bytes, turn: Turn
-) -> tuple[str | None, int | None]:
-    """Rules 2 to 6: (fallback, None), or (None, the choice continued)."""
-    if not _continued_messages(messages, turn, messages_json):
+def _check(body: dict[str, Any], messages: list[Any], turn: Turn) -> tuple[str | None, int | None]:
+    """Rules 2 to 6: (fallback, None), or (None, the choice continued). A remembered turn was
+    found by its messages' serialisation, so only a turn read from the log is compared here."""
+    n = turn.n_messages
+    if turn.from_log is not None and (len(messages) <= n or messages[:n] != turn.from_log[0]):
         return "history_changed", None
-    if len(messages) <= turn.n_messages + 1:
+    if len(messages) <= n + 1:
         return "no_new_messages", None
-    sent = messages[turn.n_messages]
+    sent = messages[n]
     choice = next(
         (i for i, ending in enumerate(turn.choices) if same_reply(sent, ending.reply)), None
     )
     if choice is None:
         return "reply_changed", None
-    new = messages[turn.n_messages + 1 :]
+    new = messages[n + 1 :]
     if any(m.get("role") == "assistant" for m in new):
         return "new_messages_include_assistant", None
     ending = turn.choices[choice]
@@ -482,3 +512,9 @@ def _check(
     if any(not isinstance(_text(m.get("content")), str) for m in new):
         return "non_text_content", None
     return None, choice
+
+
+def _same_options(body: dict[str, Any], turn: Turn) -> bool:
+    if turn.from_log is not None:
+        return [body.get(name) for name in RENDER_FIELDS] == turn.from_log[1]
+    return render_key(body) == turn.render_key

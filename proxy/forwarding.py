@@ -25,11 +25,12 @@ from starlette.types import Receive, Scope, Send
 
 from trajstore.proxy.apis import Translation, as_chat
 from trajstore.proxy.apis.messages import chat_messages, chat_tools
-from trajstore.proxy.continuation import RENDERED, Continuer, Plan, Turn
+from trajstore.proxy.continuation import RENDERED, Continuer, Plan
 from trajstore.proxy.engines import Engine, EnginePool, NoHealthyEngine
 from trajstore.proxy.errors import BadRequest, EngineFailed, Overloaded, ProxyError, from_bug
+from trajstore.proxy.lineages import PromptContexts, Turn
 from trajstore.proxy.metrics import ProxyMetrics
-from trajstore.proxy.recorder import PromptContexts, RequestRecorder, new_request_id
+from trajstore.proxy.recorder import RequestRecorder, new_request_id
 from trajstore.proxy.sessions import Session
 from trajstore.proxy.settings import ProxySettings
 from trajstore.proxy.transport import Answer, AnswerBroken, EngineUnreachable, TransportError
@@ -95,26 +96,28 @@ class Forwarder:
         writer: EventWriter,
         settings: ProxySettings,
         metrics: ProxyMetrics,
-        last_turn: Callable[[str], Awaitable[Turn | None]] | None = None,
+        turn_in_log: Callable[[str, list[Any]], Awaitable[Turn | None]] | None = None,
         replica_id: str | None = None,
     ) -> None:
-        """`last_turn(session_id)`: the session's last chat turn read from the log, for a turn
-        that continues one this replica does not remember; `replica_id`: this replica, recorded
-        with each request (`proxy.reaper` fails the requests of replicas that died)."""
+        """`turn_in_log(session_id, messages)`: the session's deepest turn in the log that the
+        messages continue, for a request that continues a turn this replica does not remember
+        (`proxy.continuation.turn_in_log`); `replica_id`: this replica, recorded with each
+        request (`proxy.reaper` fails the requests of replicas that died)."""
         self.replica_id = replica_id
         self.http = http
         self.engines = engines
         self.writer = writer
         self.settings = settings
         self.metrics = metrics
-        self.last_turn = last_turn
-        # The last turn of each session: its prompt can be stored as a reference plus new tokens,
-        # and the next prompt continued from its ids.
+        self.turn_in_log = turn_in_log
+        # The turns of each session, by lineage: a prompt can be stored as a reference plus new
+        # tokens, and continued from the ids of the turn it continues (proxy.lineages).
         self.contexts = PromptContexts()
         self.continuer = Continuer(
             enabled=settings.continuation == "tokens",
             headers=self._headers(None),
             timeout=settings.request_timeout,
+            audit_every=settings.continuation_audit_every,
         )
 
     async def handle(
@@ -166,7 +169,7 @@ class Forwarder:
             run_id=session.run_id,
             request_id=request_id,
             chunk_tokens=self.settings.chunk_tokens,
-            previous=self.contexts.get(session.session_id),
+            turns=self.contexts.get(session.session_id),
             on_completed=functools.partial(self.contexts.remember, session.session_id),
             on_prompt=functools.partial(self._prompt_sent, engine),
             max_image_bytes=self.settings.max_image_bytes,
@@ -381,12 +384,15 @@ class Forwarder:
     ) -> Plan:
         """How the prompt reaches the engine; a failure here renders it, as without continuation."""
 
-        async def last_turn() -> Turn | None:
-            return None if self.last_turn is None else await self.last_turn(session_id)
+        async def in_log() -> Turn | None:
+            if self.turn_in_log is None:
+                return None
+            return await self.turn_in_log(session_id, body["messages"])
 
         try:
+            turns = recorder.turns
             return await self.continuer.plan(
-                engine, body, recorder.messages_json, recorder.previous, last_turn
+                engine, body, recorder.candidates, turns.latest, in_log
             )
         except Exception:
             log.exception("continuing a prompt failed; the engine renders it from the messages")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,46 +18,16 @@ from typing import Any
 import numpy as np
 import orjson
 
-from trajstore.proxy.continuation import RENDERED, Ending, Plan, Turn, render_key
+from trajstore.proxy.continuation import RENDERED, Plan, render_key
 from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, referenced
+from trajstore.proxy.lineages import Ending, SessionTurns, Turn, messages_key
 from trajstore.proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
 from trajstore.store import BadEvent, EventType, EventWriter, NewEvent, request_stream
 from trajstore.store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
 
-#: A prompt is stored as a reference to the session's last turn when it shares at least this
-#: many leading tokens with it (the prompt_tokens contract in `store.sessions`).
+#: A prompt is stored as a reference to an earlier turn of the session when it shares at least
+#: this many leading tokens with it (the prompt_tokens contract in `store.sessions`).
 MIN_SHARED_TOKENS = 16
-
-
-class PromptContexts:
-    """The last completed turn of each session this replica served, so that the next turn's
-    prompt and messages can be stored as references to it plus what is new, and its prompt
-    continued from the ids sampled (`proxy.continuation`).
-
-    Bounded: past `max_bytes`, the sessions whose last turn is oldest are forgotten (their next
-    turn is then stored whole and continued from the log, as after a restart or on another
-    replica: correct, only slower).
-    """
-
-    def __init__(self, max_bytes: int = 256 << 20) -> None:
-        self.max_bytes = max_bytes
-        self._contexts: OrderedDict[str, Turn] = OrderedDict()
-        self._bytes = 0
-
-    def get(self, session_id: str) -> Turn | None:
-        """The session's last completed turn, if this replica remembers it."""
-        return self._contexts.get(session_id)
-
-    def remember(self, session_id: str, turn: Turn) -> None:
-        """Record a completed turn (called once its events are queued, in log order)."""
-        old = self._contexts.pop(session_id, None)
-        if old is not None:
-            self._bytes -= old.size
-        self._contexts[session_id] = turn
-        self._bytes += turn.size
-        while self._bytes > self.max_bytes and self._contexts:
-            _, dropped = self._contexts.popitem(last=False)
-            self._bytes -= dropped.size
 
 
 def _without_nul(value: Any) -> Any:
@@ -104,15 +73,16 @@ class RequestRecorder:
         run_id: str | None,
         request_id: str,
         chunk_tokens: int = 16,
-        previous: Turn | None = None,
-        on_completed: Callable[[Turn], None] | None = None,
+        turns: SessionTurns | None = None,
+        on_completed: Callable[[Turn, Turn | None], None] | None = None,
         on_prompt: Callable[[Plan], None] | None = None,
         finish_reason_in_api: Callable[[str | None, Any], str | None] | None = None,
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
         image_token_id: int | None = None,
     ) -> None:
-        """`previous`: the session's last completed turn, which this turn's prompt and messages
-        may reference; `on_completed`: told this turn as a `Turn` once it finished; `on_prompt`:
+        """`turns`: the session's turns this replica remembers, which this turn's prompt and
+        messages may reference (`proxy.lineages`); `on_completed`: told this turn as a `Turn`
+        once it finished, with the turn its prompt extends (if remembered); `on_prompt`:
         told how the prompt reached the engine once the engine echoed it;
         `finish_reason_in_api`: a translated API's name for a chat finish reason (`proxy.apis`);
         `max_image_bytes`: the largest image a chat message may carry (`proxy.images`);
@@ -132,7 +102,9 @@ class RequestRecorder:
         self.tokens_recorded = 0
         self._choices: dict[int, _ChoiceBuffer] = {}
         self._outbox: list[NewEvent] = []
-        self.previous = previous
+        self.turns = turns or SessionTurns()
+        #: The remembered turns whose messages this request repeats, deepest first.
+        self.candidates: list[Turn] = []
         self.on_completed = on_completed
         self.on_prompt = on_prompt
         self.finish_reason_in_api = finish_reason_in_api
@@ -140,12 +112,13 @@ class RequestRecorder:
         self._prompt: bytes | None = None  # packed, whole
         self._completions: dict[int, list[bytes]] = {}  # each choice's recorded chunks, packed
         self._messages: tuple[int, bytes] = (0, b"")  # chat: how many messages, as JSON
+        self._reference: Turn | None = None  # the turn the prompt is stored against
         self._render_key = b""
         self.api: str = "chat"
         self.max_image_bytes = max_image_bytes
         self.image_token_id = image_token_id
         # The images recorded for the session so far (by this replica): referenced, not repeated.
-        self._images = frozenset() if previous is None else previous.images
+        self._images = self.turns.images
 
     def received_event(
         self,
@@ -190,6 +163,7 @@ class RequestRecorder:
         if api != "completions" and isinstance(recorded, list):
             self._messages = (len(recorded), orjson.dumps(recorded))
             self._render_key = render_key(chat)
+            self.candidates = self.turns.continued_by(self._messages[1])
         if api == "chat" and isinstance(recorded, list):
             # Only chat stores messages by reference: the other APIs' bodies are their own.
             reference = self._messages_reference()
@@ -214,6 +188,7 @@ class RequestRecorder:
             if sha256 not in self._images:
                 self._outbox.append(self._event(EventType.IMAGE_RECORDED, image.payload()))
         self._images = self._images | found.images.keys()
+        self.turns.images = self._images  # later requests of the session refer to them
         return found.messages
 
     @property
@@ -222,20 +197,16 @@ class RequestRecorder:
         return self._messages[1]
 
     def _messages_reference(self) -> dict[str, Any] | None:
-        """The previous turn as `messages_prefix`, when this request repeats all its messages
-        first (then its body stores only the rest); else None.
+        """The deepest remembered chat turn whose messages this request repeats first, as
+        `messages_prefix` (then its body stores only the rest); else None.
 
-        Compared as orjson's serialisation: `[A,B]` and `[A,B,C]` (or `[A,B]` again) agree up to
-        the former's closing bracket, where the latter has a comma (or the same bracket), and
+        Found by the messages' serialisation (`SessionTurns.continued_by`): `[A,B]` and
+        `[A,B,C]` agree up to the former's closing bracket, where the latter has a comma, and
         JSON values delimit themselves, so the first messages are the same values.
         """
-        previous = self.previous
-        if previous is None or previous.n_messages == 0 or previous.api != "chat":
-            return None
-        before, now = previous.messages, self._messages[1]
-        cut = len(before) - 1
-        if now[cut : cut + 1] in (b",", b"]") and now.startswith(memoryview(before)[:cut]):
-            return {"request_id": previous.request_id, "n_messages": previous.n_messages}
+        for turn in self.candidates:
+            if turn.api == "chat" and turn.n_messages:
+                return {"request_id": turn.request_id, "n_messages": turn.n_messages}
         return None
 
     async def emit(self, event: NewEvent) -> None:
@@ -292,10 +263,10 @@ class RequestRecorder:
         }
         await self.emit(self._event(EventType.COMPLETION_FINISHED, payload))
         self.ended = True
-        # The next turn may reference and continue this one, once it is whole.
+        # A later turn may reference and continue this one, once it is whole.
         whole = sorted(self._choices) == list(range(len(self._choices)))
         if self.on_completed is not None and self._prompt is not None and whole:
-            self.on_completed(self._as_turn(choices))
+            self.on_completed(self._as_turn(choices), self._extended())
 
     def _as_turn(self, finished: list[dict[str, Any]]) -> Turn:
         endings = tuple(
@@ -308,16 +279,23 @@ class RequestRecorder:
             for c in finished
         )
         n_messages, messages = self._messages
+        prompt = self._prompt or b""
+        key = messages_key(messages) if messages else b""
         return Turn(
-            self.request_id,
-            self._prompt or b"",
-            n_messages,
-            messages,
-            self._render_key,
-            endings,
-            api=self.api,
-            images=self._images,
-        )
+            self.request_id, len(prompt) // 4, n_messages, len(messages), key, self._render_key,
+            endings, api=self.api, held_prompt=prompt,
+        )  # fmt: skip
+
+    def _extended(self) -> Turn | None:
+        """The remembered turn whose prompt + completion this prompt starts with (all but its
+        end-of-turn id, when the template does not repeat it), if any."""
+        reference, prompt = self._reference, self._prompt or b""
+        if reference is None:
+            return None
+        tokens = reference.tokens
+        shared = shared_prefix(prompt, tokens)
+        eot = bool(reference.choices) and reference.choices[0].finish_reason == "stop"
+        return reference if 4 * shared >= len(tokens) - (4 if eot else 0) else None
 
     async def failed(self, reason: str, message: str, status: int | None = None) -> None:
         """Write what is buffered (partial tokens are kept) and the request_failed event."""
@@ -353,11 +331,14 @@ class RequestRecorder:
             payload |= self.plan.as_json()
             if self.on_prompt is not None:
                 self.on_prompt(self.plan)
-        previous = self.previous
-        shared = 0 if previous is None else shared_prefix(packed, previous.tokens)
-        if previous is None or shared < MIN_SHARED_TOKENS:
+        # Stored against the turn it continues, else the deepest whose messages it repeats,
+        # else the session's latest (a new conversation often repeats the system prompt).
+        reference = self.plan.turn or next(iter(self.candidates), None) or self.turns.latest
+        self._reference = reference
+        shared = 0 if reference is None else shared_prefix(packed, reference.tokens)
+        if reference is None or shared < MIN_SHARED_TOKENS:
             return self._event(EventType.PROMPT_TOKENS, payload, token_ids=ids)
-        payload["prefix"] = {"request_id": previous.request_id, "n_tokens": shared}
+        payload["prefix"] = {"request_id": reference.request_id, "n_tokens": shared}
         payload["n_tokens"] = len(ids)
         return self._event(EventType.PROMPT_TOKENS, payload, token_ids=ids[shared:])
 

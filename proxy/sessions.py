@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -79,6 +80,9 @@ class Finish(BaseModel):
 
     status: FinishStatus
     reason: str | None = None
+    #: The session's main conversation, by its lineage index (`GET /sessions/{id}` lists them);
+    #: without it the projection decides (`store.lineages`).
+    main_lineage: int | None = Field(default=None, ge=0)
 
 
 class Discard(BaseModel):
@@ -163,6 +167,9 @@ class SessionRegistry:
         self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
         self._max_cached = max_cached
         self._keys: dict[str, str] = {}
+        #: Told the id of every session finished or discarded (here, or by another replica):
+        #: what is kept for its requests can go (`proxy.lineages.PromptContexts.forget`).
+        self.on_closed: list[Callable[[str], None]] = []
         self.replicas = Replicas(
             store,
             writer,
@@ -283,6 +290,7 @@ class SessionRegistry:
     async def _apply_facts(self, after: tuple[int, int]) -> tuple[int, int]:
         facts = await self.store.read_types(_FOLLOWED, after=after)
         for fact in facts:
+            self._closed(fact.session_id or "")  # a finish or a discard
             cached = self._sessions.get(fact.session_id or "")
             if cached is None:
                 continue  # not cached here: loaded from the log, with this fact, when needed
@@ -313,8 +321,11 @@ class SessionRegistry:
                 return session  # a retried finish
             raise Conflict(f"session {session_id!r} already finished ({session.status})")
         await self.replicas.flush_everywhere(session_id)
-        await self._append(session, EventType.SESSION_FINISHED, request.model_dump())
+        await self._append(
+            session, EventType.SESSION_FINISHED, request.model_dump(exclude_none=True)
+        )
         session.status = request.status
+        self._closed(session_id)
         return session
 
     async def reward(self, session_id: str, request: Reward) -> Session:
@@ -328,7 +339,12 @@ class SessionRegistry:
         session = await self.get(session_id, fresh=True)
         await self._append(session, EventType.SESSION_DISCARDED, request.model_dump())
         session.discarded = request.reason
+        self._closed(session_id)
         return session
+
+    def _closed(self, session_id: str) -> None:
+        for listener in self.on_closed:
+            listener(session_id)
 
     async def _append(
         self, session: Session, event_type: EventType, payload: dict[str, Any]

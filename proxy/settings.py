@@ -77,9 +77,17 @@ class ProxySettings(BaseSettings):
 
     continuation: Literal["tokens", "text"] = Field(
         default="tokens",
-        description="How a chat turn that continues the session's previous turn reaches the "
+        description="How a chat turn that continues an earlier turn of its lineage reaches the "
         "engine: `tokens`, the ids already sampled plus the new messages' (no retokenisation "
         "drift; see proxy.continuation), or `text`, the messages rendered by the engine.",
+    )
+    continuation_audit_every: int = Field(
+        default=16,
+        ge=0,
+        description="A continued turn's check renders only the new messages; every this many "
+        "continued turns of a lineage (and its first) the whole conversation is rendered too, "
+        "as an audit that turns continuation off for the lineage when it disagrees, and that "
+        "measures the drift avoided (1: every turn; 0: never).",
     )
     session_idle_timeout: float = Field(
         default=3600.0,

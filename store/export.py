@@ -34,7 +34,7 @@ from trajstore.store import queries
 from trajstore.store.archive import archived_requests
 from trajstore.store.events import request_stream
 from trajstore.store.eventstore import EventStore
-from trajstore.store.sessions import whole_messages
+from trajstore.store.references import Messages
 
 FORMATS = ("parquet", "jsonl")
 
@@ -149,18 +149,16 @@ async def _conversations(
             archived_requests, archive, missing
         ):
             take(stream_id, event_type, orjson.loads(payload))
-    whole = whole_messages(
-        {
-            s: ((p.get("body") or {}).get("messages"), p.get("messages_prefix"))
-            for s, p in asked.items()
-        }
-    )
+    chains = Messages()
+    for stream, received in asked.items():
+        stored = (received.get("body") or {}).get("messages")
+        chains.add(stream.removeprefix("request-"), stored, received.get("messages_prefix"))
     conversations: dict[str, Any] = {}
     for stream in streams:
         if stream not in asked:
             continue
         body = asked[stream].get("body") or {}
-        messages = list(whole[stream] or [])
+        messages = list(chains.whole(stream.removeprefix("request-")) or [])
         if "prompt" in body:  # the completions API: the prompt as a user turn
             messages.append({"role": "user", "content": body["prompt"]})
         if stream in replies:

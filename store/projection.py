@@ -83,6 +83,10 @@ def sample_row(sample: Sample, last_position: int, version: int) -> tuple[Any, .
         session.recorded_finished_at,
         *_integer_versions(sample.policy_versions),
         sample.images or None,
+        sample.lineage,
+        sample.role,
+        sample.parent,
+        sample.fork_at,
     )
 
 

@@ -1,31 +1,35 @@
 """Training samples from a recorded session, token-exact: no text is ever re-tokenised.
 
 A sample is one token sequence with a loss mask and the behaviour logprobs of its generated
-tokens. Turns are taken in order; turn k+1 *extends* the current sample when its prompt token ids
-start with everything the sample holds so far (prompt, completions, and the glue in between).
-The new tokens between the two (tool results, user messages, template glue) get loss mask 0;
-turn k+1's completion gets mask 1 and its logprobs.
+tokens. A session holds one or more conversations, its *lineages* (`store.lineages`: which
+turn extends which, from the tokens alone); each lineage gives one sample per branch. Within a
+branch, turn k+1 extends turn k: its prompt starts with everything the sample holds so far
+(prompt, completions, and the glue in between). The new tokens between the two (tool results,
+user messages, template glue) get loss mask 0; turn k+1's completion gets mask 1 and its
+logprobs.
 
 When the engine ended turn k with an end-of-turn token that the next prompt does not repeat
 (a template that re-renders the assistant turn without it), the sample keeps the generated token
 (the model did produce it and should learn to) and the extension continues after it.
 
-Otherwise the history diverged (truncated, rewritten, or re-rendered by a template that is not
-append-only): the current sample ends and a new branch starts at that turn, and the divergence is
-recorded (turn, first differing position, reason).
+A lineage's history may diverge (truncated, rewritten, re-rendered by a template that is not
+append-only, or compacted): a new branch starts at that turn, and the divergence is recorded
+(turn, first differing position, reason). Another conversation speaking in between is never a
+divergence: it is another lineage.
 
 Deliberate choices, each tested:
 - failed or aborted requests are left out (the agent did not continue from them); their
   partial tokens stay in the log;
-- with `n > 1`, the choice the next turn continues from stays in the sample; the other choices of
-  that turn become one-turn samples of their own (`alternative_of` names the turn);
+- with `n > 1`, the choice the lineage's next turn continues from stays in the sample; the other
+  choices of that turn become one-turn samples of their own (`alternative_of` names the turn);
 - an empty completion extends the sample by nothing; a completion cut by `length` is kept as is;
 - a turn whose decoding was constrained (a forced tool call, a JSON format, guided decoding)
   keeps its tokens (mask 1) but gets NaN behaviour logprobs: the engine reported the logprobs
   of the grammar-masked distribution, not the model's (see `TurnRecord.constrained_by`); the
   trainer leaves tokens without behaviour logprobs out of the importance-weighted loss;
-- every branch of a session carries the session's reward (the episode's outcome) and says
-  whether it is the final branch (`is_final`);
+- every sample of a session carries the session's reward (the episode's outcome), its lineage,
+  the lineage's role (main, subagent, side) and the lineage it forked from;
+- `is_final` marks the trainer's default sample: the last branch of the main lineage;
 - a sample's images are those of its last turn's messages, in order, each with its hash, where
   it came from (data or URL) and the [start, end) of its placeholder ids in the sample's tokens
   (`store.images.image_spans`); the span is None when the engine's placeholder id was not
@@ -42,7 +46,8 @@ from typing import Any
 import numpy as np
 
 from trajstore.store.images import image_hashes, image_spans
-from trajstore.store.sessions import ChoiceRecord, SessionRecord, TurnRecord
+from trajstore.store.lineages import Divergence, Lineage, assign
+from trajstore.store.records import ChoiceRecord, SessionRecord, TurnRecord
 from trajstore.store.tokens import (
     LOGPROB_DTYPE,
     TOKEN_DTYPE,
@@ -50,26 +55,14 @@ from trajstore.store.tokens import (
     decode_token_ids,
     encode_logprobs,
     encode_token_ids,
-    shared_prefix,
 )
 
+__all__ = ["Divergence", "Sample", "build_samples", "final_branch", "rollout_rows", "sample_id"]
+
 #: Changes whenever the rules above change; samples record it, and a rebuild writes a new one.
-PROJECTION_VERSION = 1
+PROJECTION_VERSION = 2
 
 _SAMPLE_NAMESPACE = uuid.UUID("6f6b3c0e-4c1c-4f0e-9a55-7a0b1d3c2e11")
-
-
-@dataclass
-class Divergence:
-    """Where and why a session's history stopped extending the previous sample."""
-
-    turn: int  #: index of the turn whose prompt did not extend the sample
-    position: int  #: first token position where the prompt and the sample differ
-    reason: str  #: history_truncated | history_rewritten | template_not_append_only
-
-    def as_json(self) -> dict[str, Any]:
-        """A JSON-able view."""
-        return {"turn": self.turn, "position": self.position, "reason": self.reason}
 
 
 def _packed_ids(values: Any) -> bytes:
@@ -100,7 +93,11 @@ class Sample:
 
     sample_id: uuid.UUID
     session: SessionRecord
-    branch: int
+    branch: int  #: within its lineage
+    lineage: int = 0  #: which conversation of the session (`store.lineages`)
+    role: str = "main"  #: its lineage's role: main | subagent | side
+    parent: int | None = None  #: the lineage its lineage forked from
+    fork_at: int | None = None  #: tokens its lineage shares with that one
     prompt_len: int = 0
     turns: list[int] = field(default_factory=list)  # indices into session.turns
     tool_turns: int = 0
@@ -109,7 +106,7 @@ class Sample:
     finish_reason: str | None = None
     divergence: Divergence | None = None  # why this branch started (None for the first)
     alternative_of: int | None = None  # for an n>1 choice not continued: its turn
-    is_final: bool = False
+    is_final: bool = False  #: the trainer's default: the main lineage's last branch
     token_bytes: bytes = b""  #: all token ids, packed
     # One run per segment: its length in tokens, and its packed logprobs when the model
     # generated it (None for prompt and glue).
@@ -186,90 +183,66 @@ class Sample:
         self._runs.append((len(tokens) // _ID, None))
 
 
-def sample_id(session_id: str, branch: int, alternative: str = "") -> uuid.UUID:
-    """Deterministic: the same session and branch always give the same id."""
-    name = f"{PROJECTION_VERSION}/{session_id}/{branch}/{alternative}"
+def sample_id(session_id: str, lineage: int, branch: int, alternative: str = "") -> uuid.UUID:
+    """Deterministic: the same session, lineage and branch always give the same id."""
+    name = f"{PROJECTION_VERSION}/{session_id}/{lineage}/{branch}/{alternative}"
     return uuid.uuid5(_SAMPLE_NAMESPACE, name)
-
-
-def _divergence_reason(sample: Sample, prompt: bytes, position: int, last: bytes) -> str:
-    held = sample.n_tokens
-    if position == len(prompt) // _ID < held:
-        return "history_truncated"  # the prompt is a strict prefix: the context was cut
-    if position >= held - len(last) // _ID:
-        return "template_not_append_only"  # the last completion came back re-rendered
-    return "history_rewritten"
-
-
-def _continued_choice(turn: TurnRecord, next_prompt: bytes | None, base: bytes) -> int:
-    """The choice of an n>1 turn that the next turn's prompt continues (default: 0)."""
-    if next_prompt is None or len(turn.choices) < 2:
-        return min(turn.choices) if turn.choices else 0
-    for index in sorted(turn.choices):
-        if next_prompt.startswith(base + _packed_ids(turn.choices[index].token_ids)):
-            return index
-    return min(turn.choices)
 
 
 def build_samples(session: SessionRecord) -> list[Sample]:
     """The samples of one session, by the rules in this module's docstring."""
-    usable = [(i, t) for i, t in enumerate(session.turns) if t.status == "completed" and t.choices]
-    prompts = [_packed_ids(t.prompt_token_ids) for _, t in usable]
+    forest = assign(session)
     samples: list[Sample] = []
-    current: Sample | None = None
-    last_completion = b""
-    for n, (index, turn) in enumerate(usable):
-        prompt = prompts[n]
-        next_prompt = prompts[n + 1] if n + 1 < len(usable) else None
-        chosen = _continued_choice(turn, next_prompt, prompt)
-        choice = turn.choices[chosen]
-
-        glue: bytes | None = None
-        if current is not None:
-            held = current.token_bytes
-            if prompt.startswith(held):
-                glue = prompt[len(held) :]
-            elif (
-                last_completion
-                and current.finish_reason == "stop"
-                and prompt.startswith(held[:-_ID])
-            ):
-                glue = prompt[len(held) - _ID :]  # the end-of-turn token was not repeated
-        if current is None or glue is None:
-            divergence = None
-            if current is not None:
-                at = shared_prefix(prompt, current.token_bytes)
-                reason = _divergence_reason(current, prompt, at, last_completion)
-                divergence = Divergence(index, at, reason)
-            branch = len([s for s in samples if s.alternative_of is None])
-            current = Sample(sample_id(session.session_id, branch), session, branch)
-            current.divergence = divergence
-            current._add_glue(prompt)
-            current.prompt_len = len(prompt) // _ID
-            samples.append(current)
-        else:
-            current._add_glue(glue)
-        current._add_turn(index, turn, choice)
-        last_completion = _packed_ids(choice.token_ids)
-
-        for other in sorted(set(turn.choices) - {chosen}):
-            alternative = Sample(
-                sample_id(session.session_id, current.branch, f"{index}.{other}"),
-                session,
-                current.branch,
-                alternative_of=index,
-            )
-            alternative._add_glue(prompt)
-            alternative.prompt_len = len(prompt) // _ID
-            alternative._add_turn(index, turn, turn.choices[other])
-            samples.append(alternative)
-
-    branches = [s for s in samples if s.alternative_of is None]
-    if branches:
-        branches[-1].is_final = True
+    for lineage in forest.lineages:
+        for number, branch in enumerate(lineage.branches):
+            sample = _sample(session, lineage, number)
+            sample.divergence = branch.divergence
+            sample.prompt_len = len(branch.steps[0].glue) // _ID
+            for step in branch.steps:
+                turn = session.turns[step.turn]
+                sample._add_glue(step.glue)
+                sample._add_turn(step.turn, turn, turn.choices[step.choice])
+                samples.extend(_alternatives(sample, lineage, step.turn, turn, step.choice))
+            samples.append(sample)
+            sample.is_final = lineage.index == forest.main and number == len(lineage.branches) - 1
     for sample in samples:
+        sample.token_bytes = bytes(sample.token_bytes)
         if session.turns[sample.turns[-1]].n_images:
             sample.images = _images_of(sample)
+    return samples
+
+
+def _sample(session: SessionRecord, lineage: Lineage, branch: int, alternative: str = "") -> Sample:
+    sample = Sample(
+        sample_id(session.session_id, lineage.index, branch, alternative),
+        session,
+        branch,
+        lineage=lineage.index,
+        role=lineage.role,
+        parent=lineage.parent,
+        fork_at=lineage.fork_at,
+    )
+    # Grown in place while it is built (linear in its tokens, however many turns), then bytes.
+    sample.token_bytes = bytearray()  # type: ignore[assignment]
+    return sample
+
+
+def _alternatives(
+    sample: Sample, lineage: Lineage, index: int, turn: TurnRecord, chosen: int
+) -> list[Sample]:
+    """The choices of an n > 1 turn that the lineage did not continue, a sample each."""
+    others = sorted(set(turn.choices) - {chosen})
+    if not others:
+        return []
+    prompt = _packed_ids(turn.prompt_token_ids)
+    samples = []
+    for other in others:
+        alternative = _sample(sample.session, lineage, sample.branch, f"{index}.{other}")
+        alternative.alternative_of = index
+        alternative._add_glue(prompt)
+        alternative.prompt_len = len(prompt) // _ID
+        alternative._add_turn(index, turn, turn.choices[other])
+        samples.append(alternative)
     return samples
 
 
@@ -277,7 +250,7 @@ def _images_of(sample: Sample) -> list[dict[str, Any]]:
     """The images of a sample's last turn, located in its tokens (None spans: not located)."""
     session = sample.session
     turn = session.turns[sample.turns[-1]]
-    hashes = image_hashes(turn.body.get("messages"))
+    hashes = image_hashes(turn.messages)
     generated = sample.mask_array().astype(bool)
     spans = image_spans(sample.token_array(), generated, turn.image_token_id, len(hashes))
     images = []
@@ -298,7 +271,18 @@ def _images_of(sample: Sample) -> list[dict[str, Any]]:
 
 
 def final_branch(samples: Sequence[Sample]) -> Sample | None:
-    """The session's final branch (`is_final`: the last one, which holds the episode's outcome),
-    or None when the session made no sample: what a trainer that takes one sequence per
-    episode trains on (`trainer.trl_rollout`, `trainer.verl_loop`)."""
+    """The session's default sample (`is_final`: the main lineage's last branch, which holds
+    the episode's outcome), or None when the session made no sample: what a trainer that takes
+    one sequence per episode trains on (`trainer.trl_rollout`, `trainer.verl_loop`)."""
     return next((s for s in samples if s.is_final), None)
+
+
+def rollout_rows(samples: Sequence[Sample]) -> list[Sample]:
+    """Every lineage's last branch (alternatives of n > 1 turns left out), main lineage first:
+    what a trainer takes when all lineages of a rollout make one group member (one advantage,
+    several rows)."""
+    last: dict[int, Sample] = {}
+    for sample in samples:
+        if sample.alternative_of is None:
+            last[sample.lineage] = sample  # branches come in order
+    return sorted(last.values(), key=lambda s: (s.role != "main", s.lineage))

@@ -172,6 +172,12 @@ samples = Table(
     # The images in the sample's messages: [{sha256, source, url, media_type, start, end}], the
     # span that of their placeholder ids in token_ids (`store.samples`); NULL for none.
     Column("images", JSONB),
+    # Its conversation within the session (`store.lineages`): the lineage's index, its role
+    # (main | subagent | side), the lineage it forked from and how many tokens they share.
+    Column("lineage", Integer, nullable=False, server_default=text("0")),
+    Column("role", Text, nullable=False, server_default=text("'main'")),
+    Column("parent", Integer),
+    Column("fork_at", Integer),
     # Live readers (the trainer) tail rows in (projected_tx, projected_seq) order below the
     # horizon, exactly as readers of the log do (see queries.READ_ALL).
     Column("projected_tx", XID8, nullable=False, server_default=text("pg_current_xact_id()")),

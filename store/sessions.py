@@ -6,7 +6,8 @@ A session's events live in two kinds of streams (see `store.events`):
 `session-<id>`
     session_created    {run_id, task_id, group_id, metadata, deadline_s, created_at}
     reward_assigned    {value, components, source}
-    session_finished   {status: completed|aborted|error|timeout, reason}
+    session_finished   {status: completed|aborted|error|timeout, reason, main_lineage?} (the
+                       lineage the orchestrator names the main one, `store.lineages`)
     session_discarded  {reason}
 
 `request-<request_id>`, one per model call, in this order:
@@ -27,11 +28,13 @@ A session's events live in two kinds of streams (see `store.events`):
                          prefix: {request_id, n_tokens}, n_tokens} and token_ids = the prompt
                          after its first prefix.n_tokens ids (see below). Chat prompts also say
                          how they reached the engine (`proxy.continuation`): prompt_source
-                         `continued` (ids built by the proxy: {continuation: {choice,
-                         drift_at}}, drift_at the first position where the text rendering
-                         would have differed, null for none) or `rendered` (the engine rendered
-                         the messages; {continuation: {fallback}} says why when the request
-                         looked like a continuation)
+                         `continued` (ids built by the proxy: {continuation: {request_id,
+                         choice, drift_at, audit}}: the turn and choice continued; drift_at the
+                         first position where the text rendering would have differed, null for
+                         none, measured on audited turns only; audit: whether the whole
+                         conversation was rendered to check it) or `rendered` (the engine
+                         rendered the messages; {continuation: {fallback}} says why when the
+                         request looked like a continuation)
     completion_chunk     token_ids + logprobs of several generated tokens; {choice, text}
     completion_finished  {choices: [{index, finish_reason, stop_reason, message, n_tokens,
                           api_finish_reason}], usage, latency_s, ttft_s}; `message` is the
@@ -48,15 +51,18 @@ fields training needs the agent asked for itself (the proxy always asks the engi
 A prompt with a `prefix` is stored as a reference plus its new tokens: its first `n_tokens` ids
 are the first `n_tokens` of the referenced request's prompt followed by that request's completion
 (choice 0), as recorded; `n_tokens` at the top is the whole prompt's length. The referenced request
-belongs to the same session and comes earlier in the log, so a reader folding the session in log
-order (`rebuild_session`) always has it. Without this, a session's events grow with the square of
-its turns, since every turn's prompt repeats the context before it.
+is the earlier turn of the same session that the prompt continues (its lineage's last turn, when
+the proxy knows it: `store.lineages`) and comes earlier in the log. Without this, a session's
+events grow with the square of its turns, since every turn's prompt repeats the context before it.
 
 The request's messages work the same way: with `messages_prefix`, the whole list is the
 referenced request's whole messages (exactly `n_messages` of them) followed by `body.messages`.
 An agent re-sends its whole conversation every turn, so storing each body whole made the bodies
-most of an agent session's bytes. `rebuild_session`, the `turns` view and the export give whole
-messages.
+most of an agent session's bytes.
+
+Readers keep both as stored (`TurnRecord.prompt_added`, `TurnRecord.messages_added`) and make
+one turn's whole prompt or messages on demand (`TurnRecord.prompt_token_ids`,
+`TurnRecord.messages`; `store.references`): reading a session costs what it stored.
 
 Images are recorded once per session the same way: a request whose messages hold an image the
 proxy replica has not yet recorded for the session writes it as `image_recorded` (the sha256 is
@@ -68,180 +74,15 @@ do not hold leaves the image's source unknown, never the tokens.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any
 
 import numpy as np
 
 from trajstore.store.events import EventType, RecordedEvent, request_stream
+from trajstore.store.records import ChoiceRecord, SessionRecord, TurnRecord
 from trajstore.store.tokens import TokenIds, decode_logprobs, decode_token_ids
 
-
-@dataclass
-class ChoiceRecord:
-    """One generated choice of a turn: its tokens, their logprobs, how it ended."""
-
-    index: int
-    token_ids: list[int] = field(default_factory=list)  # bytes as stored, when `packed`
-    logprobs: list[float] = field(default_factory=list)  # bytes as stored, when `packed`
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: Any = None
-    message: dict[str, Any] | None = None
-    api_finish_reason: str | None = None  #: in the agent's API's taxonomy, when translated
-
-    def as_json(self) -> dict[str, Any]:
-        """A JSON-able view."""
-        return {
-            "index": self.index,
-            "token_ids": self.token_ids,
-            "logprobs": self.logprobs,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "stop_reason": self.stop_reason,
-            "message": self.message,
-            "api_finish_reason": self.api_finish_reason,
-        }
-
-
-#: vLLM's request options that constrain decoding with a grammar.
-_GUIDED_OPTIONS = (
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-)  # fmt: skip
-
-
-@dataclass
-class TurnRecord:
-    """One model request of a session, as recorded."""
-
-    request_id: str
-    api: str
-    body: dict[str, Any]
-    engine: str | None
-    policy_version: str | None
-    logprobs_mode: str | None
-    stream: bool
-    sampling: dict[str, Any]
-    prompt_token_ids: list[int] = field(default_factory=list)  # bytes as stored, when `packed`
-    choices: dict[int, ChoiceRecord] = field(default_factory=dict)
-    status: str = "in_progress"  # in_progress | completed | failed
-    failure: dict[str, Any] | None = None
-    usage: dict[str, Any] | None = None
-    latency_s: float | None = None
-    ttft_s: float | None = None
-    first_position: int = 0
-    received_at: float | None = None  # the proxy's clock when the request arrived
-    messages_prefix: dict[str, Any] | None = None  # body.messages continue that request's
-    prompt_source: str | None = None  # chat: continued | rendered (None: recorded before it)
-    continuation: dict[str, Any] | None = None  # {choice, drift_at} or {fallback}
-    n_images: int = 0  # image parts in its whole messages
-    image_token_id: int | None = None  # the engine's image placeholder id, when recorded
-
-    @property
-    def constrained_by(self) -> str | None:
-        """What constrained the engine's decoding (a forced tool call, a JSON format, a vLLM
-        guided-decoding option), or None.
-
-        The engine then samples from the grammar-masked distribution, and the logprobs it
-        reports (vLLM: even `raw_logprobs`) are that distribution's, not the model's: measured
-        on vLLM 0.32, a forced tool call's tokens came back with logprobs near 0 where the model
-        gave them about -6. They are no behaviour logprobs for an importance ratio.
-        """
-        choice = self.body.get("tool_choice")
-        if choice == "required" or isinstance(choice, dict):
-            return "tool_choice"
-        response_format = self.body.get("response_format")
-        if isinstance(response_format, dict) and response_format.get("type") in (
-            "json_object",
-            "json_schema",
-        ):
-            return "response_format"
-        for key in _GUIDED_OPTIONS:
-            if self.body.get(key) is not None:
-                return key
-        return None
-
-    def choice(self, index: int) -> ChoiceRecord:
-        """The choice with this index, created on first use."""
-        if index not in self.choices:
-            self.choices[index] = ChoiceRecord(index)
-        return self.choices[index]
-
-    def as_json(self) -> dict[str, Any]:
-        """A JSON-able view: messages, tools, sampling, tokens, logprobs, outcome, timing."""
-        return {
-            "request_id": self.request_id,
-            "api": self.api,
-            "messages": self.body.get("messages"),
-            "prompt": self.body.get("prompt"),
-            "tools": self.body.get("tools"),
-            "sampling": self.sampling,
-            "stream": self.stream,
-            "engine": self.engine,
-            "policy_version": self.policy_version,
-            "logprobs_mode": self.logprobs_mode,
-            "prompt_token_ids": self.prompt_token_ids,
-            "prompt_source": self.prompt_source,
-            "continuation": self.continuation,
-            "choices": [self.choices[i].as_json() for i in sorted(self.choices)],
-            "status": self.status,
-            "constrained_by": self.constrained_by,
-            "failure": self.failure,
-            "usage": self.usage,
-            "latency_s": self.latency_s,
-            "ttft_s": self.ttft_s,
-        }
-
-
-@dataclass
-class SessionRecord:
-    """A session rebuilt from its events."""
-
-    session_id: str
-    run_id: str | None = None
-    task_id: str | None = None
-    group_id: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    deadline_s: float | None = None
-    created_at: float | None = None
-    recorded_created_at: datetime | None = None  # when the store recorded its creation
-    recorded_finished_at: datetime | None = None  # ... and its (last) finish
-    status: str = "active"  # active | completed | aborted | error | timeout
-    finish_reason: str | None = None
-    discarded: str | None = None  # the reason, when discarded
-    rewards: list[dict[str, Any]] = field(default_factory=list)
-    turns: list[TurnRecord] = field(default_factory=list)
-    n_events: int = 0
-    #: The images its requests recorded, by sha256: {source, media_type, n_bytes, url}, without
-    #: the bytes (`image_recorded`; the export writes those).
-    images: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    @property
-    def reward(self) -> float | None:
-        """The last reward assigned (a later assignment corrects an earlier one)."""
-        return float(self.rewards[-1]["value"]) if self.rewards else None
-
-    def as_json(self) -> dict[str, Any]:
-        """A JSON-able view of the whole session."""
-        return {
-            "session_id": self.session_id,
-            "run_id": self.run_id,
-            "task_id": self.task_id,
-            "group_id": self.group_id,
-            "metadata": self.metadata,
-            "deadline_s": self.deadline_s,
-            "created_at": self.created_at,
-            "status": self.status,
-            "finish_reason": self.finish_reason,
-            "discarded": self.discarded,
-            "reward": self.reward,
-            "rewards": self.rewards,
-            "turns": [t.as_json() for t in self.turns],
-            "n_events": self.n_events,
-            "images": self.images,
-        }
+__all__ = ["ChoiceRecord", "SessionRecord", "TurnRecord", "rebuild_session"]
 
 
 def _ints(array: TokenIds | None) -> list[int]:
@@ -291,11 +132,9 @@ def rebuild_session(
     bytes) instead of lists: what `store.samples` works on, without a Python object per token.
     Turns come in the order their requests arrived (`_in_request_order`).
     """
-    session = SessionRecord(session_id, n_events=len(events))
+    session = SessionRecord(session_id, n_events=len(events), packed=packed)
     turns: dict[str, TurnRecord] = {}
     chunks: dict[tuple[str, int], _Chunks] = {}
-    prompts: dict[str, bytes] = {}  # packed, as stored: a referencing prompt's new tokens only
-    references: list[tuple[str, dict[str, Any]]] = []  # (stream, prefix), in log order
     for event in events:
         kind = event.type
         stream = event.stream_id
@@ -313,11 +152,14 @@ def rebuild_session(
                 pending.text.append(payload.get("text") or "")
         elif kind == _PROMPT:
             if stream in turns:
-                prompts[stream] = event.packed_token_ids or b""
-                turns[stream].prompt_source = event.payload.get("prompt_source")
-                turns[stream].continuation = event.payload.get("continuation")
-                if (prefix := event.payload.get("prefix")) is not None:
-                    references.append((stream, prefix))
+                turn = turns[stream]
+                payload = event.payload
+                turn.prompt_added = added = event.packed_token_ids or b""
+                turn.prompt_source = payload.get("prompt_source")
+                turn.continuation = payload.get("continuation")
+                turn.prompt_prefix = prefix = payload.get("prefix")
+                session.prompts.add(turn.request_id, added, prefix)
+                turn.n_prompt_tokens = session.prompts.length(turn.request_id)
         elif kind == _RECEIVED:
             payload = event.payload
             turn = TurnRecord(
@@ -337,6 +179,7 @@ def rebuild_session(
             )
             turns[stream] = turn
             session.turns.append(turn)
+            session.messages.add(turn.request_id, turn.body.get("messages"), turn.messages_prefix)
         elif kind == _FINISHED:
             if stream in turns:
                 payload = event.payload
@@ -373,6 +216,8 @@ def rebuild_session(
             session.status = payload.get("status", "completed")
             session.finish_reason = payload.get("reason")
             session.recorded_finished_at = event.recorded_at
+            if isinstance(main := payload.get("main_lineage"), int):
+                session.main_lineage = main
         elif kind == _DISCARDED:
             session.discarded = event.payload.get("reason") or "discarded"
         elif kind == _IMAGE:
@@ -384,14 +229,22 @@ def rebuild_session(
                 }
         # else: a newer event type; a reader of today ignores what it does not know
     _in_request_order(session.turns)
-    _resolve_messages(turns)
-    _resolve_prefixes(references, prompts, chunks, turns)
-    for stream, prompt in prompts.items():
-        turns[stream].prompt_token_ids = (
-            prompt if packed else _ints(decode_token_ids(prompt))  # type: ignore[assignment]
-        )
-    for pending in chunks.values():
+    for (stream, index), pending in chunks.items():
+        if index == 0:
+            session.prompts.completed(stream.removeprefix("request-"), b"".join(pending.token_ids))
         pending.close(packed)
+    for request_id, why in session.prompts.unresolved().items():
+        # Never a guessed token: the turn fails, which keeps it out of training.
+        turn = turns[request_stream(request_id)]
+        turn.status = "failed"
+        turn.failure = {"reason": "prompt_unresolved", "message": why}
+        turn.prompt_added, turn.prompt_prefix, turn.n_prompt_tokens = b"", None, None
+    for request_id, why in session.messages.unresolved().items():
+        turns[request_stream(request_id)].body["messages_unresolved"] = why
+    for turn in session.turns:
+        turn.session = session
+        if not packed and isinstance(turn.prompt_added, bytes):
+            turn.prompt_added = _ints(decode_token_ids(turn.prompt_added))
     return session
 
 
@@ -406,99 +259,3 @@ def _in_request_order(turns: list[TurnRecord]) -> None:
     """
     if all(t.received_at is not None for t in turns):
         turns.sort(key=lambda t: t.received_at or 0.0)
-
-
-def whole_messages(
-    requests: Mapping[str, tuple[Any, Mapping[str, Any] | None]],
-) -> dict[str, list[Any] | None]:
-    """Each request's whole messages, from its stored `body.messages` and `messages_prefix`
-    (keyed by request stream; `rebuild_session` and the export use it).
-
-    None where a reference cannot be satisfied from `requests` (the referenced request is
-    missing, does not have exactly `n_messages` messages, or the chain loops back): messages are
-    for people, and no reader is shown a guess.
-    """
-    whole: dict[str, list[Any] | None] = {}
-
-    def resolve(stream: str, seen: frozenset[str]) -> list[Any] | None:
-        if stream not in whole:
-            messages, prefix = requests[stream]
-            if not isinstance(messages, list):
-                messages = None
-            elif prefix is not None:
-                source = request_stream(str(prefix.get("request_id")))
-                before = None
-                if source in requests and source not in seen:
-                    before = resolve(source, seen | {stream})
-                if before is None or len(before) != prefix.get("n_messages"):
-                    messages = None
-                else:
-                    messages = before + messages
-            whole[stream] = messages
-        return whole[stream]
-
-    for stream in requests:
-        resolve(stream, frozenset())
-    return whole
-
-
-def _resolve_messages(turns: dict[str, TurnRecord]) -> None:
-    """Make every referencing turn's `body.messages` whole; where that cannot be done, None, and
-    `body.messages_unresolved` says why (the turn's tokens are not affected)."""
-    referencing = {s: t for s, t in turns.items() if t.messages_prefix is not None}
-    if not referencing:
-        return
-    whole = whole_messages(
-        {s: (t.body.get("messages"), t.messages_prefix) for s, t in turns.items()}
-    )
-    for stream, turn in referencing.items():
-        turn.body = {**turn.body, "messages": whole[stream]}
-        if whole[stream] is None:
-            prefix = turn.messages_prefix or {}
-            turn.body["messages_unresolved"] = (
-                f"its messages continue the {prefix.get('n_messages')} of request "
-                f"{prefix.get('request_id')!r}, which this session's events do not hold"
-            )
-
-
-def _resolve_prefixes(
-    references: list[tuple[str, dict[str, Any]]],
-    prompts: dict[str, bytes],
-    chunks: dict[tuple[str, int], _Chunks],
-    turns: dict[str, TurnRecord],
-) -> None:
-    """Make every referencing prompt whole: the referenced turn's prompt and completion, cut to
-    the shared length, then the stored new tokens.
-
-    A referenced prompt is made whole first when it references another (in log order it always
-    is already). A reference the log cannot satisfy (never written by the proxy: a damaged or
-    hand-made log) fails the turn, which keeps it out of training, instead of guessing tokens.
-    """
-    pending = dict(references)
-    resolving: set[str] = set()
-
-    def resolve(stream: str) -> None:
-        prefix = pending.pop(stream)
-        resolving.add(stream)
-        source = request_stream(str(prefix.get("request_id")))
-        shared = 4 * int(prefix.get("n_tokens") or 0)
-        if source in pending:
-            resolve(source)  # out of log order: its own reference first (failed: no prompt)
-        base = None if source in resolving else prompts.get(source)  # None: a cycle
-        if base is not None and len(base) < shared and (completion := chunks.get((source, 0))):
-            base += b"".join(completion.token_ids)
-        resolving.discard(stream)
-        if base is None or len(base) < shared:
-            del prompts[stream]
-            turns[stream].status = "failed"
-            turns[stream].failure = {
-                "reason": "prompt_unresolved",
-                "message": f"its prompt continues request {prefix.get('request_id')!r} for "
-                f"{shared // 4} tokens, which this session's events do not hold",
-            }
-            return
-        prompts[stream] = base[:shared] + prompts[stream]
-
-    for stream, _ in references:
-        if stream in pending:
-            resolve(stream)

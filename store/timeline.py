@@ -122,13 +122,19 @@ class Entry:
 def _new_messages(turn: TurnRecord, previous: TurnRecord | None) -> list[dict[str, Any]]:
     """The messages a chat request adds to the previous request's (tool results, user turns).
 
-    Agents resend the whole history each turn; what is new is what follows the previous request's
-    messages and the assistant reply to them. The first request shows all its messages.
+    Agents resend the whole history each turn; what is new is what follows the messages of the
+    request it continues (the log stores it so: `messages_prefix`) and the assistant reply to
+    them, else what follows the previous request's. The first request shows all its messages.
     """
-    messages = turn.body.get("messages")
+    if turn.messages_prefix is not None:
+        rest = turn.messages_added or []  # stored as what it added to the request it continues
+        if rest and isinstance(rest[0], dict) and rest[0].get("role") == "assistant":
+            rest = rest[1:]
+        return rest
+    messages = turn.messages
     if not isinstance(messages, list):
         return []
-    before = previous.body.get("messages") if previous is not None else None
+    before = previous.messages if previous is not None else None
     if not isinstance(before, list) or messages[: len(before)] != before:
         return messages
     rest = messages[len(before) :]
@@ -145,7 +151,7 @@ def _request_details(turn: TurnRecord, previous: TurnRecord | None) -> dict[str,
         "policy_version": turn.policy_version,
         "stream": turn.stream,
         "sampling": turn.sampling,
-        "prompt_tokens": len(turn.prompt_token_ids),
+        "prompt_tokens": turn.n_prompt_tokens or 0,
         "n_tools": len(turn.body.get("tools") or []),
     }
     if turn.api == "chat":
@@ -179,7 +185,7 @@ def _choice_details(turn: TurnRecord) -> list[dict[str, Any]]:
 def _outcome_details(turn: TurnRecord) -> dict[str, Any]:
     return {
         "request_id": turn.request_id,
-        "prompt_tokens": len(turn.prompt_token_ids),
+        "prompt_tokens": turn.n_prompt_tokens or 0,
         "completion_tokens": sum(len(c.token_ids) for c in turn.choices.values()),
         "latency_s": turn.latency_s,
         "ttft_s": turn.ttft_s,

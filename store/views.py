@@ -7,11 +7,14 @@ policy version" in one SELECT; the README lists tested examples.
 `turns` — one row per model request: the messages the agent sent, the completion text and tool
 calls, finish reason, token counts, latency and time to first token, engine, policy version, and
 how the prompt reached the engine (`prompt_source` continued | rendered, `prompt_fallback` why
-not continued, `drift_at` where the text rendering would have differed; `proxy.continuation`).
+not continued, `drift_at` where the text rendering would have differed; `proxy.continuation`),
+and the lineage it belongs to once its session is projected.
 
 `trajectories` — one row per session: run, task, group, status, reward, turns, tool turns,
 tokens, duration, engines, policy versions, the divergences its samples recorded (from the
-served projection version), and its continued turns and the drift they avoided.
+served projection version), its continued turns and the drift they avoided, and its lineages
+(the conversations it held, `store.lineages`), samples, and calls per sample (how many model
+calls each training row merged).
 
 `trajstore_reader` can SELECT these two views and `samples`, and nothing else: not the events
 table, not a write anywhere. Roles belong to the whole PostgreSQL cluster, so the role is created
@@ -92,7 +95,19 @@ SELECT
     CASE WHEN e.event_type = 'request_failed' THEN e.payload ->> 'reason' END AS failure,
     p.prompt_source,
     p.prompt_fallback,
-    p.drift_at
+    p.drift_at,
+    (
+        -- The conversation of the session this turn belongs to (store.lineages), as the served
+        -- projection found it: NULL until the session is finished and projected.
+        SELECT s.lineage FROM samples s
+        WHERE s.session_id = r.session_id
+          AND s.request_ids @> ARRAY[r.payload ->> 'request_id']
+          AND s.alternative_of IS NULL
+          AND s.projection_version = (
+              SELECT version FROM projection_serving WHERE name = 'samples'
+          )
+        LIMIT 1
+    ) AS lineage
 FROM events r
 LEFT JOIN LATERAL (
     SELECT
@@ -147,7 +162,10 @@ SELECT
     coalesce(v.divergences, 0) AS divergences,
     coalesce(v.divergence_reasons, '{}') AS divergence_reasons,
     coalesce(t.continued_turns, 0) AS continued_turns,
-    coalesce(t.drift_avoided, 0) AS drift_avoided
+    coalesce(t.drift_avoided, 0) AS drift_avoided,
+    coalesce(v.lineages, 0) AS lineages,
+    coalesce(v.samples, 0) AS samples,
+    round(t.turns::numeric / nullif(v.samples, 0), 2) AS calls_per_sample
 FROM events s
 LEFT JOIN LATERAL (
     SELECT payload, recorded_at FROM events
@@ -184,8 +202,10 @@ LEFT JOIN LATERAL (
 LEFT JOIN LATERAL (
     SELECT
         (count(*) FILTER (WHERE divergence IS NOT NULL))::int AS divergences,
-        array_agg(divergence ->> 'reason' ORDER BY branch)
-            FILTER (WHERE divergence IS NOT NULL) AS divergence_reasons
+        array_agg(divergence ->> 'reason' ORDER BY lineage, branch)
+            FILTER (WHERE divergence IS NOT NULL) AS divergence_reasons,
+        (count(DISTINCT lineage))::int AS lineages,
+        count(*)::int AS samples
     FROM samples
     WHERE session_id = s.session_id
       AND alternative_of IS NULL

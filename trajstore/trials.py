@@ -311,7 +311,7 @@ class TrialLoop:
             return
         for turn in recorded.get("turns", []):
             trial.turns += 1
-            trial.prompt_tokens += len(turn.get("prompt_token_ids") or [])
+            trial.prompt_tokens += turn.get("n_prompt_tokens") or 0
             trial.completion_tokens += sum(len(c.get("token_ids") or []) for c in turn["choices"])
 
 

@@ -51,12 +51,14 @@ class RunningProxy:
         """An official OpenAI client pointed at the session, as an agent would be."""
         return AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
 
-    async def session_record(self, session_id: str) -> dict[str, Any]:
-        """The proxy's record of a session (`GET /sessions/{id}`): status, turns, rewards."""
+    async def session_record(self, session_id: str, *, whole: bool = True) -> dict[str, Any]:
+        """The proxy's record of a session (`GET /sessions/{id}`): status, turns, rewards;
+        with `whole`, each turn's prompt and messages made whole from what the answer gives
+        (`made_whole`), as a client of the API would."""
         response = await self.http.get(f"{self.url}/sessions/{session_id}")
         assert response.status_code == 200, response.text
         record: dict[str, Any] = response.json()
-        return record
+        return made_whole(record) if whole else record
 
     async def finish(self, session_id: str, status: str = "completed") -> httpx.Response:
         """Finish a session (`POST /sessions/{id}/finish`) and return the proxy's answer."""
@@ -164,3 +166,27 @@ def vllm() -> Iterator[str]:
     """
     with served_tiny_model() as url:
         yield url
+
+
+def made_whole(record: dict[str, Any]) -> dict[str, Any]:
+    """`GET /sessions/{id}`'s answer with every turn's whole `prompt_token_ids` and `messages`,
+    rebuilt from what each turn added to the turn it references (the contract in
+    `store.sessions`): a referenced turn always came first."""
+    states: dict[str, list[int]] = {}  # request id -> its whole prompt + choice 0's tokens
+    conversations: dict[str, list[Any] | None] = {}
+    for turn in record["turns"]:
+        prefix, added = turn["prompt_prefix"], turn["prompt_added"]
+        prompt = added if prefix is None else states[prefix["request_id"]][: prefix["n_tokens"]]
+        if prefix is not None:
+            prompt = [*prompt, *added]
+        assert len(prompt) == (turn["n_prompt_tokens"] or 0)
+        choices = turn["choices"]
+        states[turn["request_id"]] = [*prompt, *(choices[0]["token_ids"] if choices else [])]
+        messages = turn["messages"]
+        if turn.get("messages_prefix") is not None:
+            earlier = conversations.get(turn["messages_prefix"]["request_id"])
+            fits = earlier is not None and len(earlier) == turn["messages_prefix"]["n_messages"]
+            messages = [*earlier, *messages] if fits and earlier is not None else None
+        conversations[turn["request_id"]] = messages
+        turn.update(prompt_token_ids=prompt, messages=messages)
+    return record

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from trajstore.proxy.continuation import RENDERED, Plan, same_reply
+from trajstore.proxy.lineages import Turn
 
 GIVEN: dict[str, Any] = {
     "role": "assistant",
@@ -72,7 +73,13 @@ def test_what_a_turn_records_of_how_its_prompt_was_sent() -> None:
         "prompt_source": "rendered",
         "continuation": {"fallback": "reply_changed"},
     }
-    assert Plan("continued", drift_at=12, choice=1).as_json() == {
+    continued = Turn("r1", 3, 1, 10, b"", b"", ())
+    assert Plan("continued", drift_at=12, choice=1, turn=continued, audit=True).as_json() == {
         "prompt_source": "continued",
         "continuation": {"choice": 1, "drift_at": 12},
+    }
+    # The drift is measured on audited turns only.
+    assert Plan("continued", choice=0, turn=continued).as_json() == {
+        "prompt_source": "continued",
+        "continuation": {"choice": 0},
     }

@@ -220,7 +220,33 @@ async def test_nul_characters_are_served_and_recorded_as_replacement_characters(
     assert engine.requests[0]["messages"][0]["content"] == content  # the engine got it as sent
     record = (await proxy.http.get(f"{proxy.url}/sessions/{session['session_id']}")).json()
     assert record["turns"][0]["messages"][0]["content"] == "binary\ufffdoutput"
-    assert len(record["turns"][0]["prompt_token_ids"]) > 0
+    assert len(record["turns"][0]["prompt_added"]) > 0
+
+
+async def test_a_sessions_answer_gives_what_each_turn_added_and_one_turn_whole_when_asked(
+    proxy: RunningProxy,
+) -> None:
+    session = await proxy.new_session()
+    agent = proxy.agent(session)
+    messages: list[Any] = [{"role": "user", "content": "t1 " * 40}]
+    for n in range(3):
+        answer = await agent.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+        messages += [answer.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": f"t{n} more"}]  # fmt: skip
+    url = f"{proxy.url}/sessions/{session['session_id']}"
+    turns = (await proxy.http.get(url)).json()["turns"]
+    # Each turn holds what it added to the turn before: the answer grows with the turns.
+    assert [t["prompt_prefix"] is None for t in turns] == [True, False, False]
+    assert all("prompt_token_ids" not in t for t in turns)
+    assert [len(t["messages"]) for t in turns] == [1, 2, 2]
+    assert turns[2]["messages_prefix"] == {"request_id": turns[1]["request_id"], "n_messages": 3}
+    whole = (await proxy.http.get(url, params={"turn": 2})).json()["turns"]
+    assert len(whole[2]["prompt_token_ids"]) == whole[2]["n_prompt_tokens"]
+    assert whole[2]["messages"] == messages[:5] and "prompt_token_ids" not in whole[1]
+    made = await proxy.session_record(session["session_id"])  # made whole client-side
+    assert made["turns"][2]["prompt_token_ids"] == whole[2]["prompt_token_ids"]
+    missing = await proxy.http.get(url, params={"turn": 3})
+    assert missing.status_code == 404 and "has 3 turns" in missing.text
 
 
 async def test_a_session_finished_on_one_replica_is_closed_on_the_others(

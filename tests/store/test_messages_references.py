@@ -67,7 +67,7 @@ async def test_messages_are_rebuilt_whole_through_a_chain_by_every_reader(
         ],
     )
     session = rebuild_session("s1", await store.read_session("s1"))
-    assert [t.body["messages"] for t in session.turns] == sent
+    assert [t.messages for t in session.turns] == sent
     assert all(t.body["tool_choice"] == "auto" for t in session.turns)  # the rest of the body
     assert await view_messages(store) == sent
     await Projector(store).run_once()
@@ -95,7 +95,7 @@ async def test_a_reference_the_log_cannot_satisfy_shows_no_messages_but_keeps_th
         ],
     )
     session = rebuild_session("s1", await store.read_session("s1"))
-    assert [t.body["messages"] for t in session.turns] == [[SYSTEM], None, None, None]
+    assert [t.messages for t in session.turns] == [[SYSTEM], None, None, None]
     for turn in session.turns[1:]:
         assert "do not hold" in turn.body["messages_unresolved"]
     assert [t.status for t in session.turns] == ["completed"] * 4  # the tokens are not affected

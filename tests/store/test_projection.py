@@ -134,7 +134,7 @@ async def test_killed_between_writing_and_committing_it_resumes_without_loss_or_
 async def test_a_rebuild_writes_a_new_version_beside_the_served_one_then_switches(
     store: EventStore,
 ) -> None:
-    await record_session(store, "s1", [([1, 10], [20]), ([1, 99, 20], [40])])  # diverges
+    await record_session(store, "s1", [([1, 10, 11], [20]), ([1, 10], [40])])  # truncated
     await record_session(store, "s2", [([1, 10], [30])])
     projector = Projector(store, batch_size=1)
     await projector.run_once()
@@ -151,7 +151,7 @@ async def test_a_rebuild_writes_a_new_version_beside_the_served_one_then_switche
         return await store.pool.fetch(
             "SELECT s.* FROM samples s JOIN projection_serving p"
             " ON p.name = 'samples' AND p.version = s.projection_version"
-            " ORDER BY session_id, branch"
+            " ORDER BY session_id, lineage, branch"
         )
 
     # While the rebuild runs, readers of the served version still get every old row.

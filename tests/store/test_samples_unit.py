@@ -34,7 +34,7 @@ def turn(
         logprobs_mode="raw_logprobs",
         stream=False,
         sampling={},
-        prompt_token_ids=prompt,
+        prompt_added=prompt,
         status=status,
     )
     for i, ids in enumerate(choices):
@@ -84,10 +84,12 @@ def test_a_length_cut_completion_is_followed_by_the_templates_glue() -> None:
 
 
 def test_a_rewritten_history_starts_a_branch_and_says_where_and_why() -> None:
-    t1 = turn([1, 10, 11], [20, 21])
-    t2 = turn([1, 10, 99, 20, 21, 30], [40])  # an earlier message changed
+    reply = list(range(100, 116))
+    t1 = turn([1, 10, 11], reply)
+    t2 = turn([1, 10, 99, *reply, 30], [40])  # an earlier message changed, the reply kept
     first, second = build_samples(session(t1, t2))
-    assert second.branch == 1 and second.token_ids == [1, 10, 99, 20, 21, 30, 40]
+    assert (second.lineage, second.branch) == (0, 1)
+    assert second.token_ids == [1, 10, 99, *reply, 30, 40]
     assert second.divergence is not None
     assert second.divergence.as_json() == {"turn": 1, "position": 2, "reason": "history_rewritten"}
     assert not first.is_final and second.is_final
@@ -138,7 +140,8 @@ def test_with_n_choices_the_continued_one_stays_and_the_others_stand_alone() -> 
 def test_sample_ids_are_deterministic() -> None:
     t1 = turn([1, 10], [20])
     assert build_samples(session(t1))[0].sample_id == build_samples(session(t1))[0].sample_id
-    assert sample_id("s1", 0) != sample_id("s1", 1) != sample_id("s2", 0)
+    assert sample_id("s1", 0, 0) != sample_id("s1", 0, 1) != sample_id("s2", 0, 0)
+    assert sample_id("s1", 0, 1) != sample_id("s1", 1, 0)
 
 
 def test_missing_logprobs_are_nan_not_invented() -> None:

@@ -65,6 +65,8 @@ async def test_turns_has_one_row_per_request_with_what_it_cost(recorded: EventSt
     assert (failed["status"], failed["failure"], failed["completion_tokens"]) == (
         "failed", "engine_error", 0
     )  # fmt: skip
+    # The lineage each turn belongs to, once projected; a failed turn is in none.
+    assert [found[r]["lineage"] for r in ("s1-0", "s1-1", "s4-0", "s4-1")] == [0, 0, 0, None]
 
 
 async def test_trajectories_has_one_row_per_session(recorded: EventStore) -> None:
@@ -83,6 +85,10 @@ async def test_trajectories_has_one_row_per_session(recorded: EventStore) -> Non
         "timeout", 1, None
     )  # fmt: skip
     assert found["s5"]["discarded"] and found["s5"]["discard_reason"] == "leaked the answer"
+    # One conversation each; s3's rewrite made a second sample of it (two calls, two rows).
+    assert (s1["lineages"], s1["samples"], s1["calls_per_sample"]) == (1, 1, Decimal("2.00"))
+    s3 = found["s3"]
+    assert (s3["lineages"], s3["samples"], s3["calls_per_sample"]) == (1, 2, Decimal("1.00"))
     assert (found["s6"]["status"], found["s6"]["finished_at"]) == ("active", None)
 
 

@@ -52,7 +52,7 @@ def turn_rows(view: SessionView, first: int, last: int) -> list[dict[str, Any]]:
         rows.append({
             "index": index,
             "turn": turn,
-            "prompt_tokens": len(turn.prompt_token_ids),
+            "prompt_tokens": turn.n_prompt_tokens or 0,
             "completion_tokens": sum(len(c.token_ids) for c in turn.choices.values()),
             "finish_reason": choice.finish_reason if choice else None,
             "tool_calls": [c.get("function", {}).get("name", "?")

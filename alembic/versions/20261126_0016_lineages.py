@@ -1,0 +1,391 @@
+"""Samples name their lineage: a session is several conversations (`store.lineages`).
+
+From this version on the projection makes one sample per lineage (more where a lineage's own
+history diverged), so `samples` gains `lineage`, `role` (main | subagent | side), `parent` (the
+lineage it forked from) and `fork_at` (the tokens they share); `is_final` now marks the main
+lineage's last branch. `turns` gains `lineage` (from the served projection) and `trajectories`
+gains `lineages`, `samples` and `calls_per_sample`. Rows projected before read as lineage 0,
+main: `trajstore project --rebuild` projects the log again with the new rules (projection
+version 2 of `store.samples`). New columns go last, so `CREATE OR REPLACE` keeps the views'
+grants; a downgrade drops and recreates them and grants the reader role again.
+
+Revision ID: 0016_lineages
+Revises: 0014_sample_images
+Create Date: 2026-11-26
+"""
+
+from collections.abc import Sequence
+
+from alembic import op
+
+revision: str = "0016_lineages"
+down_revision: str | None = "0014_sample_images"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+# Written out, not imported: a revision keeps the statements it was written with.
+_TURNS = """CREATE OR REPLACE VIEW turns AS
+SELECT
+    r.session_id,
+    r.run_id,
+    r.payload ->> 'request_id' AS request_id,
+    r.position,
+    r.recorded_at AS started_at,
+    r.payload ->> 'api' AS api,
+    r.payload ->> 'engine' AS engine,
+    r.payload ->> 'policy_version' AS policy_version,
+    (r.payload ->> 'stream')::boolean AS stream,
+    CASE WHEN r.payload ? 'messages_prefix' THEN (
+        -- Stored as a reference to an earlier turn's messages plus the new ones (the
+        -- request_received contract in store.sessions): follow the chain back to a turn stored
+        -- whole, and give the whole list only when the counts add up (never a guess).
+        WITH RECURSIVE chain (payload, depth) AS (
+            SELECT r.payload, 0
+            UNION ALL
+            SELECT earlier.payload, chain.depth + 1
+            FROM chain
+            JOIN events earlier
+              ON earlier.stream_id
+                 = 'request-' || (chain.payload -> 'messages_prefix' ->> 'request_id')
+             AND earlier.event_type = 'request_received'
+            WHERE chain.payload ? 'messages_prefix' AND chain.depth < 10000
+        )
+        SELECT CASE
+            WHEN count(*) FILTER (WHERE NOT chain.payload ? 'messages_prefix') = 1
+             AND sum(CASE WHEN jsonb_typeof(chain.payload -> 'body' -> 'messages') = 'array'
+                          THEN jsonb_array_length(chain.payload -> 'body' -> 'messages') END)
+                 = (r.payload -> 'messages_prefix' ->> 'n_messages')::int
+                   + jsonb_array_length(r.payload -> 'body' -> 'messages')
+            THEN (
+                SELECT jsonb_agg(m.value ORDER BY link.depth DESC, m.ordinality)
+                FROM chain AS link,
+                     jsonb_array_elements(link.payload -> 'body' -> 'messages')
+                         WITH ORDINALITY AS m
+            )
+        END
+        FROM chain
+    ) ELSE r.payload -> 'body' -> 'messages' END AS messages,
+    r.payload -> 'body' -> 'tools' AS tools,
+    r.payload -> 'sampling' AS sampling,
+    CASE e.event_type
+        WHEN 'completion_finished' THEN 'completed'
+        WHEN 'request_failed' THEN 'failed'
+        ELSE 'in_progress'
+    END AS status,
+    e.payload -> 'choices' -> 0 ->> 'finish_reason' AS finish_reason,
+    c.completion_text,
+    CASE WHEN jsonb_typeof(e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls') = 'array'
+        THEN e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls'
+    END AS tool_calls,
+    CASE WHEN jsonb_typeof(e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls') = 'array'
+        THEN jsonb_array_length(e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls')
+        ELSE 0
+    END AS n_tool_calls,
+    coalesce(p.prompt_tokens, 0) AS prompt_tokens,
+    coalesce(c.completion_tokens, 0) AS completion_tokens,
+    (e.payload ->> 'latency_s')::float8 AS latency_s,
+    (e.payload ->> 'ttft_s')::float8 AS ttft_s,
+    CASE WHEN e.event_type = 'request_failed' THEN e.payload ->> 'reason' END AS failure,
+    p.prompt_source,
+    p.prompt_fallback,
+    p.drift_at,
+    (
+        -- The conversation of the session this turn belongs to (store.lineages), as the served
+        -- projection found it: NULL until the session is finished and projected.
+        SELECT s.lineage FROM samples s
+        WHERE s.session_id = r.session_id
+          AND s.request_ids @> ARRAY[r.payload ->> 'request_id']
+          AND s.alternative_of IS NULL
+          AND s.projection_version = (
+              SELECT version FROM projection_serving WHERE name = 'samples'
+          )
+        LIMIT 1
+    ) AS lineage
+FROM events r
+LEFT JOIN LATERAL (
+    SELECT
+        coalesce((payload ->> 'n_tokens')::int, octet_length(token_ids) / 4) AS prompt_tokens,
+        payload ->> 'prompt_source' AS prompt_source,
+        payload -> 'continuation' ->> 'fallback' AS prompt_fallback,
+        (payload -> 'continuation' ->> 'drift_at')::int AS drift_at
+    FROM events
+    WHERE stream_id = r.stream_id AND event_type = 'prompt_tokens'
+    LIMIT 1
+) p ON true
+LEFT JOIN LATERAL (
+    SELECT
+        string_agg(payload ->> 'text', '' ORDER BY stream_version)
+            FILTER (WHERE coalesce((payload ->> 'choice')::int, 0) = 0) AS completion_text,
+        sum(octet_length(token_ids) / 4)::int AS completion_tokens
+    FROM events
+    WHERE stream_id = r.stream_id AND event_type = 'completion_chunk'
+) c ON true
+LEFT JOIN LATERAL (
+    SELECT event_type, payload FROM events
+    WHERE stream_id = r.stream_id AND event_type IN ('completion_finished', 'request_failed')
+    ORDER BY stream_version DESC
+    LIMIT 1
+) e ON true
+WHERE r.event_type = 'request_received'"""
+
+_TRAJECTORIES = """CREATE OR REPLACE VIEW trajectories AS
+SELECT
+    s.session_id,
+    s.run_id,
+    s.payload ->> 'task_id' AS task_id,
+    s.payload ->> 'group_id' AS group_id,
+    s.payload -> 'metadata' AS metadata,
+    s.recorded_at AS created_at,
+    f.recorded_at AS finished_at,
+    coalesce(f.payload ->> 'status', 'active') AS status,
+    f.payload ->> 'reason' AS finish_reason,
+    d.session_id IS NOT NULL AS discarded,
+    d.payload ->> 'reason' AS discard_reason,
+    (w.payload ->> 'value')::float8 AS reward,
+    coalesce(t.turns, 0) AS turns,
+    coalesce(t.tool_turns, 0) AS tool_turns,
+    coalesce(t.failed_turns, 0) AS failed_turns,
+    coalesce(t.prompt_tokens, 0) AS prompt_tokens,
+    coalesce(t.completion_tokens, 0) AS completion_tokens,
+    extract(epoch FROM f.recorded_at - s.recorded_at)::float8 AS duration_s,
+    coalesce(t.engines, '{}') AS engines,
+    coalesce(t.policy_versions, '{}') AS policy_versions,
+    coalesce(v.divergences, 0) AS divergences,
+    coalesce(v.divergence_reasons, '{}') AS divergence_reasons,
+    coalesce(t.continued_turns, 0) AS continued_turns,
+    coalesce(t.drift_avoided, 0) AS drift_avoided,
+    coalesce(v.lineages, 0) AS lineages,
+    coalesce(v.samples, 0) AS samples,
+    round(t.turns::numeric / nullif(v.samples, 0), 2) AS calls_per_sample
+FROM events s
+LEFT JOIN LATERAL (
+    SELECT payload, recorded_at FROM events
+    WHERE session_id = s.session_id AND event_type = 'session_finished'
+    ORDER BY tx_id DESC, position DESC
+    LIMIT 1
+) f ON true
+LEFT JOIN LATERAL (
+    SELECT session_id, payload FROM events
+    WHERE session_id = s.session_id AND event_type = 'session_discarded'
+    ORDER BY tx_id DESC, position DESC
+    LIMIT 1
+) d ON true
+LEFT JOIN LATERAL (
+    SELECT payload FROM events
+    WHERE session_id = s.session_id AND event_type = 'reward_assigned'
+    ORDER BY tx_id DESC, position DESC
+    LIMIT 1
+) w ON true
+LEFT JOIN LATERAL (
+    SELECT
+        count(*)::int AS turns,
+        (count(*) FILTER (WHERE n_tool_calls > 0))::int AS tool_turns,
+        (count(*) FILTER (WHERE status = 'failed'))::int AS failed_turns,
+        sum(prompt_tokens)::int AS prompt_tokens,
+        sum(completion_tokens)::int AS completion_tokens,
+        array_agg(DISTINCT engine) FILTER (WHERE engine IS NOT NULL) AS engines,
+        array_agg(DISTINCT policy_version)
+            FILTER (WHERE policy_version IS NOT NULL) AS policy_versions,
+        (count(*) FILTER (WHERE prompt_source = 'continued'))::int AS continued_turns,
+        (count(*) FILTER (WHERE drift_at IS NOT NULL))::int AS drift_avoided
+    FROM turns WHERE session_id = s.session_id
+) t ON true
+LEFT JOIN LATERAL (
+    SELECT
+        (count(*) FILTER (WHERE divergence IS NOT NULL))::int AS divergences,
+        array_agg(divergence ->> 'reason' ORDER BY lineage, branch)
+            FILTER (WHERE divergence IS NOT NULL) AS divergence_reasons,
+        (count(DISTINCT lineage))::int AS lineages,
+        count(*)::int AS samples
+    FROM samples
+    WHERE session_id = s.session_id
+      AND alternative_of IS NULL
+      AND projection_version = (
+          SELECT version FROM projection_serving WHERE name = 'samples'
+      )
+) v ON true
+WHERE s.event_type = 'session_created'"""
+
+_TURNS_BEFORE = """CREATE VIEW turns AS
+SELECT
+    r.session_id,
+    r.run_id,
+    r.payload ->> 'request_id' AS request_id,
+    r.position,
+    r.recorded_at AS started_at,
+    r.payload ->> 'api' AS api,
+    r.payload ->> 'engine' AS engine,
+    r.payload ->> 'policy_version' AS policy_version,
+    (r.payload ->> 'stream')::boolean AS stream,
+    CASE WHEN r.payload ? 'messages_prefix' THEN (
+        -- Stored as a reference to an earlier turn's messages plus the new ones (the
+        -- request_received contract in store.sessions): follow the chain back to a turn stored
+        -- whole, and give the whole list only when the counts add up (never a guess).
+        WITH RECURSIVE chain (payload, depth) AS (
+            SELECT r.payload, 0
+            UNION ALL
+            SELECT earlier.payload, chain.depth + 1
+            FROM chain
+            JOIN events earlier
+              ON earlier.stream_id
+                 = 'request-' || (chain.payload -> 'messages_prefix' ->> 'request_id')
+             AND earlier.event_type = 'request_received'
+            WHERE chain.payload ? 'messages_prefix' AND chain.depth < 10000
+        )
+        SELECT CASE
+            WHEN count(*) FILTER (WHERE NOT chain.payload ? 'messages_prefix') = 1
+             AND sum(CASE WHEN jsonb_typeof(chain.payload -> 'body' -> 'messages') = 'array'
+                          THEN jsonb_array_length(chain.payload -> 'body' -> 'messages') END)
+                 = (r.payload -> 'messages_prefix' ->> 'n_messages')::int
+                   + jsonb_array_length(r.payload -> 'body' -> 'messages')
+            THEN (
+                SELECT jsonb_agg(m.value ORDER BY link.depth DESC, m.ordinality)
+                FROM chain AS link,
+                     jsonb_array_elements(link.payload -> 'body' -> 'messages')
+                         WITH ORDINALITY AS m
+            )
+        END
+        FROM chain
+    ) ELSE r.payload -> 'body' -> 'messages' END AS messages,
+    r.payload -> 'body' -> 'tools' AS tools,
+    r.payload -> 'sampling' AS sampling,
+    CASE e.event_type
+        WHEN 'completion_finished' THEN 'completed'
+        WHEN 'request_failed' THEN 'failed'
+        ELSE 'in_progress'
+    END AS status,
+    e.payload -> 'choices' -> 0 ->> 'finish_reason' AS finish_reason,
+    c.completion_text,
+    CASE WHEN jsonb_typeof(e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls') = 'array'
+        THEN e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls'
+    END AS tool_calls,
+    CASE WHEN jsonb_typeof(e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls') = 'array'
+        THEN jsonb_array_length(e.payload -> 'choices' -> 0 -> 'message' -> 'tool_calls')
+        ELSE 0
+    END AS n_tool_calls,
+    coalesce(p.prompt_tokens, 0) AS prompt_tokens,
+    coalesce(c.completion_tokens, 0) AS completion_tokens,
+    (e.payload ->> 'latency_s')::float8 AS latency_s,
+    (e.payload ->> 'ttft_s')::float8 AS ttft_s,
+    CASE WHEN e.event_type = 'request_failed' THEN e.payload ->> 'reason' END AS failure,
+    p.prompt_source,
+    p.prompt_fallback,
+    p.drift_at
+FROM events r
+LEFT JOIN LATERAL (
+    SELECT
+        coalesce((payload ->> 'n_tokens')::int, octet_length(token_ids) / 4) AS prompt_tokens,
+        payload ->> 'prompt_source' AS prompt_source,
+        payload -> 'continuation' ->> 'fallback' AS prompt_fallback,
+        (payload -> 'continuation' ->> 'drift_at')::int AS drift_at
+    FROM events
+    WHERE stream_id = r.stream_id AND event_type = 'prompt_tokens'
+    LIMIT 1
+) p ON true
+LEFT JOIN LATERAL (
+    SELECT
+        string_agg(payload ->> 'text', '' ORDER BY stream_version)
+            FILTER (WHERE coalesce((payload ->> 'choice')::int, 0) = 0) AS completion_text,
+        sum(octet_length(token_ids) / 4)::int AS completion_tokens
+    FROM events
+    WHERE stream_id = r.stream_id AND event_type = 'completion_chunk'
+) c ON true
+LEFT JOIN LATERAL (
+    SELECT event_type, payload FROM events
+    WHERE stream_id = r.stream_id AND event_type IN ('completion_finished', 'request_failed')
+    ORDER BY stream_version DESC
+    LIMIT 1
+) e ON true
+WHERE r.event_type = 'request_received'"""
+
+_TRAJECTORIES_BEFORE = """CREATE VIEW trajectories AS
+SELECT
+    s.session_id,
+    s.run_id,
+    s.payload ->> 'task_id' AS task_id,
+    s.payload ->> 'group_id' AS group_id,
+    s.payload -> 'metadata' AS metadata,
+    s.recorded_at AS created_at,
+    f.recorded_at AS finished_at,
+    coalesce(f.payload ->> 'status', 'active') AS status,
+    f.payload ->> 'reason' AS finish_reason,
+    d.session_id IS NOT NULL AS discarded,
+    d.payload ->> 'reason' AS discard_reason,
+    (w.payload ->> 'value')::float8 AS reward,
+    coalesce(t.turns, 0) AS turns,
+    coalesce(t.tool_turns, 0) AS tool_turns,
+    coalesce(t.failed_turns, 0) AS failed_turns,
+    coalesce(t.prompt_tokens, 0) AS prompt_tokens,
+    coalesce(t.completion_tokens, 0) AS completion_tokens,
+    extract(epoch FROM f.recorded_at - s.recorded_at)::float8 AS duration_s,
+    coalesce(t.engines, '{}') AS engines,
+    coalesce(t.policy_versions, '{}') AS policy_versions,
+    coalesce(v.divergences, 0) AS divergences,
+    coalesce(v.divergence_reasons, '{}') AS divergence_reasons,
+    coalesce(t.continued_turns, 0) AS continued_turns,
+    coalesce(t.drift_avoided, 0) AS drift_avoided
+FROM events s
+LEFT JOIN LATERAL (
+    SELECT payload, recorded_at FROM events
+    WHERE session_id = s.session_id AND event_type = 'session_finished'
+    ORDER BY tx_id DESC, position DESC
+    LIMIT 1
+) f ON true
+LEFT JOIN LATERAL (
+    SELECT session_id, payload FROM events
+    WHERE session_id = s.session_id AND event_type = 'session_discarded'
+    ORDER BY tx_id DESC, position DESC
+    LIMIT 1
+) d ON true
+LEFT JOIN LATERAL (
+    SELECT payload FROM events
+    WHERE session_id = s.session_id AND event_type = 'reward_assigned'
+    ORDER BY tx_id DESC, position DESC
+    LIMIT 1
+) w ON true
+LEFT JOIN LATERAL (
+    SELECT
+        count(*)::int AS turns,
+        (count(*) FILTER (WHERE n_tool_calls > 0))::int AS tool_turns,
+        (count(*) FILTER (WHERE status = 'failed'))::int AS failed_turns,
+        sum(prompt_tokens)::int AS prompt_tokens,
+        sum(completion_tokens)::int AS completion_tokens,
+        array_agg(DISTINCT engine) FILTER (WHERE engine IS NOT NULL) AS engines,
+        array_agg(DISTINCT policy_version)
+            FILTER (WHERE policy_version IS NOT NULL) AS policy_versions,
+        (count(*) FILTER (WHERE prompt_source = 'continued'))::int AS continued_turns,
+        (count(*) FILTER (WHERE drift_at IS NOT NULL))::int AS drift_avoided
+    FROM turns WHERE session_id = s.session_id
+) t ON true
+LEFT JOIN LATERAL (
+    SELECT
+        (count(*) FILTER (WHERE divergence IS NOT NULL))::int AS divergences,
+        array_agg(divergence ->> 'reason' ORDER BY branch)
+            FILTER (WHERE divergence IS NOT NULL) AS divergence_reasons
+    FROM samples
+    WHERE session_id = s.session_id
+      AND alternative_of IS NULL
+      AND projection_version = (
+          SELECT version FROM projection_serving WHERE name = 'samples'
+      )
+) v ON true
+WHERE s.event_type = 'session_created'"""
+
+
+def upgrade() -> None:
+    op.execute("ALTER TABLE samples ADD COLUMN lineage integer NOT NULL DEFAULT 0")
+    op.execute("ALTER TABLE samples ADD COLUMN role text NOT NULL DEFAULT 'main'")
+    op.execute("ALTER TABLE samples ADD COLUMN parent integer")
+    op.execute("ALTER TABLE samples ADD COLUMN fork_at integer")
+    op.execute(_TURNS)
+    op.execute(_TRAJECTORIES)
+
+
+def downgrade() -> None:
+    op.execute("DROP VIEW trajectories")
+    op.execute("DROP VIEW turns")
+    for column in ("fork_at", "parent", "role", "lineage"):
+        op.execute(f"ALTER TABLE samples DROP COLUMN {column}")
+    op.execute(_TURNS_BEFORE)
+    op.execute(_TRAJECTORIES_BEFORE)
+    op.execute("GRANT SELECT ON turns, trajectories TO trajstore_reader")
