@@ -32,6 +32,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -83,6 +84,7 @@ class Row:
     continued: int = 0  #: turns sent to the engine as token-in continuations
     samples: int = 0
     lineages: int | None = None  #: distinct `lineage` of its samples, when samples have one
+    roles: str = ""  #: how many lineages of each role (main, subagent, side)
     other: int = 0  #: requests that were no model call (HEAD /, count_tokens, /models...)
     exit: int | str = "-"
     seconds: float = 0.0
@@ -197,7 +199,9 @@ async def run_one(
     samples = build_samples(rebuild_session(session["session_id"], events, packed=True))
     row.samples = len(samples)
     if samples and hasattr(samples[0], "lineage"):
-        row.lineages = len({getattr(s, "lineage", None) for s in samples})
+        roles = {getattr(s, "lineage", None): getattr(s, "role", "?") for s in samples}
+        row.lineages = len(roles)
+        row.roles = ", ".join(f"{n} {r}" for r, n in sorted(Counter(roles.values()).items()))
     return row, calls
 
 
@@ -215,7 +219,8 @@ def print_table(rows: list[Row]) -> None:
     print("|" + "---|" * len(head))
     for r in rows:
         cells = (r.harness.name, r.harness.version, r.engine, r.harness.api, r.calls, r.recorded,
-                 r.continued, r.samples, "-" if r.lineages is None else r.lineages, r.other,
+                 r.continued, r.samples,
+                 "-" if r.lineages is None else f"{r.lineages} ({r.roles})", r.other,
                  r.exit, f"{r.seconds:.0f}")  # fmt: skip
         print("| " + " | ".join(map(str, cells)) + " |")
 

@@ -7,6 +7,12 @@ model call must come out a turn with prompt and completion ids.
 
 from __future__ import annotations
 
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 
 from tests.harness_fixtures import ReplayEngine, fixture_names, load_fixture, replay, send
@@ -23,6 +29,31 @@ def test_each_harness_of_the_matrix_has_a_fixture_of_a_multi_turn_run() -> None:
         assert fixture.header["exit"] == 0, name
         assert len(fixture.model_calls) >= 3, name  # ls, a read, an answer at least
         assert all(c["recorded"]["completion_token_ids"] for c in fixture.model_calls), name
+
+
+def matrix_harnesses() -> ModuleType:
+    """benchmarks/agent_harnesses.py, which says how the matrix runs each CLI."""
+    path = Path(__file__).parent.parent / "benchmarks" / "agent_harnesses.py"
+    spec = importlib.util.spec_from_file_location("agent_harnesses", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_matrix_runs_each_harness_from_its_readme_block_and_the_session_alone() -> None:
+    harnesses = matrix_harnesses()
+    assert {h.name for h in harnesses.HARNESSES} == HARNESSES
+    for harness in harnesses.HARNESSES:
+        block = harnesses.readme_command(harness.name)
+        assert harness.binary in block, harness.name
+        # Pointed at the session by its variables only: no URL, key or port of one machine.
+        assert "SESSION_KEY" in block and re.search(r"SESSION_(ANTHROPIC_)?URL", block)
+        assert "127.0.0.1" not in block and "localhost" not in block
+        assert '"$TASK"' in block
+    with pytest.raises(LookupError):
+        harnesses.readme_command("no-such-cli")
 
 
 @pytest.mark.parametrize("name", fixture_names())
