@@ -99,8 +99,8 @@ class ReplayEngine(FakeEngine):
         calls = (self._answer.get("message") or {}).get("tool_calls") or []
         if not (calls and body.get("tools")):
             return None
-        function = calls[0]["function"]
-        return {"name": function["name"], "arguments": orjson.loads(function["arguments"])}
+        function = calls[0]["function"]  # its arguments as the engine wrote them, JSON or not
+        return {"name": function["name"], "arguments": function["arguments"]}
 
 
 @dataclass

@@ -189,12 +189,15 @@ def _completion_logprobs(ids: list[int], pos: int, offset: int, k: int) -> JSON:
 
 
 def _tool_call(function: JSON, ids: list[int]) -> JSON:
-    """A call of `function["name"]` with its `arguments`, or when None with arguments that
-    follow from the sampled ids (spaced as vLLM's are)."""
+    """A call of `function["name"]` with its `arguments` (an object, or its text as is), or when
+    None with arguments that follow from the sampled ids (spaced as vLLM's are)."""
     arguments = function.get("arguments")
     if arguments is None:
         arguments = {"a": ids[0] % 10, "b": ids[-1] % 10}
-    text = orjson.dumps(arguments).decode().replace('":', '": ')
+    if isinstance(arguments, str):
+        text = arguments
+    else:
+        text = orjson.dumps(arguments).decode().replace('":', '": ')
     function = {"name": function.get("name"), "arguments": text}
     return {"id": f"chatcmpl-tool-{ids[0]}", "type": "function", "function": function}
 
