@@ -1,13 +1,15 @@
 """What a real agent CLI sends, kept: the task it is given, the engine's script, the front that
 records each request, and the fixture file (benchmarks/agents.py runs the CLIs).
 
-- `scripted_tool_call`: the tool-calling fake engine's policy for a real harness. A CLI's
-  conversation (its own system prompt, its own tools) is answered by how many tool results it
-  already holds: first a shell `ls`, then a read of README.md, then a sub-agent when the CLI
-  offers one (Claude Code's Task, opencode's task, ...), then a text answer, which ends it. The
-  arguments are filled from each tool's own JSON schema, so the CLI runs the tools for real
-  and its later requests carry real tool results, as in training. Requests without tools
-  (titles, summaries, checks) get the engine's text.
+- `scripted_tool_call`: the tool-calling fake engine's policy for a real harness. Each
+  conversation of a CLI (its own system prompt, its own tools) is answered by how many steps it
+  took (its assistant messages): first a shell `ls`, then a read of README.md, then a sub-agent
+  where the CLI offers one (Claude Code's `Agent`, opencode's `task`, Qwen Code's `agent`,
+  Codex's `spawn_agent`; never from inside a sub-agent), then the CLI's own way to finish where
+  it has one (mini-swe-agent's submit command, smolagents' `final_answer`), then a text answer,
+  which ends it. Arguments are filled from each tool's own JSON schema, so the CLI runs the
+  tools for real and its later requests carry real tool results. Requests without tools
+  (titles, summaries) get the engine's text.
 - `Capture`: an HTTP front between the CLI and trajstore's proxy (the proxy's
   `TRAJSTORE_PUBLIC_URL`, so sessions' base URLs point at it): it passes every request on
   unchanged and keeps method, path, arrival and end times, headers (no keys) and body.
@@ -139,7 +141,9 @@ def scripted_tool_call(workdir: Path, body: JSON) -> JSON | None:
     delegate = _pick(tools, DELEGATE_TOOLS)
     # A sub-agent delegates no further (Qwen Code would let it, five deep).
     if delegate is not None and SUBAGENT_PROMPT not in orjson.dumps(asked).decode():
-        wanted = {"description": "Read the README", "prompt": SUBAGENT_PROMPT}
+        # "message": Codex's spawn_agent (its multi_agent tools, once the proxy serves them).
+        wanted = {"description": "Read the README", "prompt": SUBAGENT_PROMPT,
+                  "message": SUBAGENT_PROMPT}  # fmt: skip
         # An agent type the CLI has: opencode's "general", Claude Code's "general-purpose".
         if named := re.search(r"\bgeneral(?:-purpose)?\b", str(delegate.get("description"))):
             wanted["subagent_type"] = named[0]
