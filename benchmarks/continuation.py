@@ -1,7 +1,9 @@
-"""What token-in continuation costs a turn, against the same turn rendered from text, same run.
+"""What token-in continuation costs a turn, against the same turn rendered from text, same run;
+and what its check costs as a conversation grows, the sampled audit against rendering the whole
+conversation every turn.
 
     python benchmarks/continuation.py [--quick] [--context-tokens 16000] [--sessions 40]
-                                      [--runs 3] [--vllm]
+                                      [--runs 3] [--vllm] [--lengths 16,64,128]
 
 Two `trajstore proxy` processes record into scratch databases in front of one engine: one with
 TRAJSTORE_CONTINUATION=tokens, one with `text`. Both take the same agent turns: a session's first
@@ -16,6 +18,12 @@ The engine is the fake engine (tests/proxy/fake_engine.py: it answers at once, a
 tokenises a ChatML template for real, one id per word), or with `--vllm` the real vLLM (CPU) on
 the generated tiny model, whose 2,048-token window caps the context (250 words). The run fails
 when a second turn of the `tokens` proxy was not continued.
+
+The check at length (`continuation_at_length.py`): one lineage of 16, 64 and 128 turns (about
+1,600 tokens of tool output a turn: 25 k, 100 k and 200 k tokens), its next turn continued by the
+proxy's own `Continuer` in this process, again and again: the engine's `/tokenize` time per turn
+and this process's CPU per turn, with the whole conversation rendered every turn (the check as it
+was) against the sampled audit (every 16th continued turn).
 
 The database is TRAJSTORE_DATABASE_URL's server, else the embedded one.
 """
@@ -33,6 +41,7 @@ from typing import Any
 import aiohttp
 import orjson
 import uvloop
+from continuation_at_length import long_engine, report_lengths
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
 from proxy_overhead import ROOT, Server, Servers, cpu_seconds, start_vllm
 
@@ -194,6 +203,16 @@ async def main(args: argparse.Namespace) -> int:
     return 0
 
 
+async def at_length(args: argparse.Namespace) -> int:
+    """The check's cost as a conversation grows (`continuation_at_length.py`)."""
+    servers = Servers()
+    try:
+        engine = await long_engine(servers, vllm=args.vllm, python=sys.executable)
+        return await report_lengths(engine, args.lengths)
+    finally:
+        servers.stop()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run, for CI")
@@ -203,10 +222,21 @@ if __name__ == "__main__":
     parser.add_argument("--sessions", type=int, help="second turns per run [40; quick 15]")
     parser.add_argument("--runs", type=int, help="runs per proxy [3; quick 2]")
     parser.add_argument("--vllm", action="store_true", help="against a real vLLM (CPU)")
+    parser.add_argument(
+        "--lengths", help="turns of the conversations whose check is measured [16,64,128]"
+    )
+    parser.add_argument(
+        "--only", choices=("turns", "length"), help="only one of the two measurements"
+    )
     args = parser.parse_args()
+    lengths = args.lengths or ("8,16" if args.quick else "16,64,128")
+    args.lengths = [int(n) for n in lengths.split(",")]
     args.context_tokens = min(
         args.context_tokens or (250 if args.vllm else 16000), 250 if args.vllm else 10**9
     )
     args.sessions = args.sessions or (15 if args.quick else 40)
     args.runs = args.runs or (2 if args.quick else 3)
-    sys.exit(uvloop.run(main(args)))
+    code = 0 if args.only == "length" else uvloop.run(main(args))
+    if args.only != "turns":
+        code = code or uvloop.run(at_length(args))
+    sys.exit(code)

@@ -26,6 +26,10 @@ Then, on a fresh clone of that database per run:
 Tokens are the prompt and completion tokens of the events read. The target is trajstore ≥ 0.5×
 raw. Prints medians, the ratio, and sessions/s per shape. TRAJSTORE_DATABASE_URL's server, else
 the embedded one (it needs the right to create databases).
+
+Then the cost of finding lineages (`benchmarks/lineage_matching.py`): samples built in memory
+with lineages against the rule before them, on single-line sessions (target <= 1.1x), forests
+(8 lineages, 200 turns) and 2,000 one-call lineages.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import time
 from dataclasses import dataclass, replace
 
 import asyncpg
+import lineage_matching  # benchmarks/, next to this file
 import numpy as np
 from ingest import Databases  # benchmarks/ingest.py, next to this file
 
@@ -284,6 +289,8 @@ if __name__ == "__main__":
     parser.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
     parser.add_argument("--sessions", type=int, help="instead of the shape's own count")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="fewer sessions for lineage matching")
     args = parser.parse_args()
     chosen = list(SHAPES) if args.shape == "both" else [args.shape]
     asyncio.run(main(chosen, args.sessions, args.runs))
+    lineage_matching.report(args.runs, args.quick)

@@ -34,10 +34,10 @@ from ingest import Databases, line, timed  # benchmarks/ingest.py, next to this 
 from trajstore.store import EventStore
 from trajstore.store.connection import asyncpg_dsn
 from trajstore.store.embedded import database_url
-from trajstore.store.samples import PROJECTION_VERSION
 from trajstore.trainer.replay import replay
 from trajstore.trainer.selection import Selection
 
+SERVED = 1  # the projection version readers are served first (`projection_serving`)
 RUN_ID = "bench"
 GROUP_SIZE = 8
 COLUMNS = (
@@ -60,7 +60,7 @@ def make_rows(n_tokens: int, sample_tokens: int, seed: int = 0) -> list[tuple[ob
         rows.append(
             (
                 uuid.uuid4(),
-                PROJECTION_VERSION,
+                SERVED,
                 f"session-{i}",
                 RUN_ID,
                 f"g-{i // GROUP_SIZE}",
@@ -90,7 +90,7 @@ async def raw_read(conn: asyncpg.Connection) -> int:
     rows = await conn.fetch(
         "SELECT sample_id, group_id, reward, token_ids, loss_mask, logprobs FROM samples "
         "WHERE projection_version = $1 AND run_id = $2",
-        PROJECTION_VERSION,
+        SERVED,
         RUN_ID,
     )
     tokens = 0

@@ -41,7 +41,6 @@ from starlette.types import Receive, Scope, Send
 
 from trajstore.proxy.admission import Admission, RateLimit
 from trajstore.proxy.auth import admin_key_is_valid, require_orchestrator_key, require_session_key
-from trajstore.proxy.continuation import turn_in_log
 from trajstore.proxy.engines import EnginePool
 from trajstore.proxy.errors import (
     NotFound,
@@ -51,6 +50,7 @@ from trajstore.proxy.errors import (
     from_store_error,
 )
 from trajstore.proxy.forwarding import Forwarder
+from trajstore.proxy.lineages import turn_in_log
 from trajstore.proxy.metrics import ProxyMetrics
 from trajstore.proxy.model_calls import BodyLimit, ModelCalls
 from trajstore.proxy.reaper import Reaper

@@ -60,8 +60,10 @@ template would give if it renders each message independently of what came before
 renders the whole conversation every turn, so it does not prove that the real history leaves the
 rendering of the new messages unchanged (a template that numbers tool results, strips reasoning
 before the last user message, or changes once a conversation is long). The *audit* does: on a
-lineage's first continued turn and every `audit_every` continued turns after it
-(`TRAJSTORE_CONTINUATION_AUDIT_EVERY`, default 16), the engine also renders the whole
+lineage's first continued turn, then once `audit_every` turns were continued since the last one
+(`TRAJSTORE_CONTINUATION_AUDIT_EVERY`, default 16) and the conversation has grown by half since
+it (`TRAJSTORE_CONTINUATION_AUDIT_GROWTH`, 0.5: audits at geometric lengths, so that their cost
+per turn stays flat however long the conversation gets), the engine also renders the whole
 conversation R = render(M + [A] + N, generation), which must end with E + S; where it does not,
 the turn is rendered from its messages (`audit_failed`) and the lineage is rendered from then on
 (`lineage_not_separable`). Where the prompt first differs from R is the drift avoided (`drift_at`,
@@ -86,15 +88,10 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import orjson
 
-from trajstore.proxy.apis import TRANSLATIONS
 from trajstore.proxy.engines import Engine
-from trajstore.proxy.errors import ProxyError
-from trajstore.proxy.lineages import Ending, Turn
-from trajstore.proxy.replicas import Replicas
+from trajstore.proxy.lineages import RENDER_FIELDS, Turn, render_key
 from trajstore.proxy.transport import TransportError
-from trajstore.store import EventStore, StoreError
-from trajstore.store.records import TurnRecord
-from trajstore.store.sessions import rebuild_session
+from trajstore.store.replies import same_reply, text_of
 from trajstore.store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
 
 log = logging.getLogger(__name__)
@@ -102,9 +99,6 @@ log = logging.getLogger(__name__)
 #: The conversation the new messages are rendered after, to separate them from the history.
 BASE: list[dict[str, Any]] = [{"role": "user", "content": "."}]
 _STUB_REPLIES = ({"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"})
-
-#: Request fields that change how the template renders: a continuation needs them unchanged.
-RENDER_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "documents")
 
 
 def _renders_plainly(body: dict[str, Any]) -> bool:
@@ -150,50 +144,6 @@ class Plan(NamedTuple):
 RENDERED = Plan("rendered")
 
 
-def render_key(body: dict[str, Any]) -> bytes:
-    """The request's render options, comparable between turns."""
-    return orjson.dumps([body.get(field) for field in RENDER_FIELDS])
-
-
-# -- comparing the reply the agent sent back with the one it was given -------------------------
-
-
-def _text(content: Any) -> Any:
-    if content is None:
-        return ""
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" for p in content
-    ):
-        return "".join(str(p.get("text", "")) for p in content)
-    return content
-
-
-def _arguments(raw: Any) -> Any:
-    if isinstance(raw, str):
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return raw
-    return raw
-
-
-def _calls(message: dict[str, Any]) -> list[tuple[Any, Any, Any]]:
-    calls = []
-    for call in message.get("tool_calls") or ():
-        function = (call.get("function") if isinstance(call, dict) else None) or {}
-        calls.append((call.get("id"), function.get("name"), _arguments(function.get("arguments"))))
-    return calls
-
-
-def same_reply(sent: dict[str, Any], returned: dict[str, Any] | None) -> bool:
-    """Whether the assistant message an agent sent back is the reply it was given (rule 3)."""
-    if returned is None or sent.get("role") != "assistant":
-        return False
-    return _text(sent.get("content")) == _text(returned.get("content")) and _calls(sent) == _calls(
-        returned
-    )
-
-
 class _Refused(Exception):
     """The engine cannot render this conversation (no /tokenize, or the template refused it)."""
 
@@ -210,85 +160,6 @@ def _ends_with(ids: Sequence[int], tail: Sequence[int]) -> bool:
     return len(tail) <= len(ids) and list(ids[len(ids) - len(tail) :]) == list(tail)
 
 
-# -- the turn continued, from the log -----------------------------------------------------
-
-
-def turn_from_record(record: TurnRecord) -> Turn | None:
-    """A completed turn as rebuilt from the log (`rebuild_session(packed=True)`), or None."""
-    translation = TRANSLATIONS.get(record.api)
-    if record.status != "completed" or (record.api != "chat" and translation is None):
-        return None
-    body = {**record.body, "messages": record.messages}
-    try:
-        chat = body if translation is None else translation.to_chat(record.body)
-    except ProxyError:
-        return None
-    messages = chat.get("messages")
-    prompt = record.prompt_token_ids
-    if not isinstance(messages, list) or not isinstance(prompt, bytes) or not record.choices:
-        return None
-    endings = []
-    for index in range(len(record.choices)):
-        choice = record.choices.get(index)
-        if choice is None:
-            return None
-        tokens = choice.token_ids if isinstance(choice.token_ids, bytes) else b""
-        endings.append(Ending(tokens, choice.finish_reason, choice.stop_reason, choice.message))
-    options = [chat.get(name) for name in RENDER_FIELDS]
-    return Turn(
-        record.request_id, len(prompt) // 4, len(messages), 0, b"", b"", tuple(endings),
-        api=record.api, from_log=(messages, options), held_prompt=prompt,
-    )  # fmt: skip
-
-
-async def turn_in_log(
-    store: EventStore,
-    replicas: Replicas,
-    session_id: str,
-    messages: list[Any],
-    wait: float = 2.0,
-) -> Turn | None:
-    """The deepest turn of the session's log whose messages and reply `messages` starts with,
-    for a request that continues a turn this replica does not remember (served by another
-    replica, before a restart, or forgotten).
-
-    The other replicas are asked to store the session's events first (the finish barrier), but
-    for `wait` seconds at most: a turn is not held up for long; without them, the log may lack
-    the turn continued, and the request is then rendered from its messages.
-    """
-    try:
-        async with asyncio.timeout(wait):
-            await replicas.flush_everywhere(session_id)
-    except (TimeoutError, ProxyError, StoreError) as exc:
-        log.info("continuation reads %s's log without every replica's writes: %s", session_id, exc)
-    record = rebuild_session(session_id, await store.read_session(session_id), packed=True)
-    best: Turn | None = None
-    # Cheap first: the message after the turn's must be its reply; only then the whole list.
-    for candidate in reversed(record.turns):
-        if candidate.status != "completed" or candidate.api == "completions":
-            continue
-        n = _n_messages(candidate)
-        if n is None or n + 1 >= len(messages) or (best and best.n_messages >= n):
-            continue
-        if not any(same_reply(messages[n], c.message) for c in candidate.choices.values()):
-            continue
-        turn = turn_from_record(candidate)
-        if turn is not None and turn.from_log and messages[:n] == turn.from_log[0]:
-            best = turn
-    return best
-
-
-def _n_messages(record: TurnRecord) -> int | None:
-    """How many messages the turn sent (from counts for chat: no list is built)."""
-    if record.api == "chat":
-        return record.n_messages
-    turn = turn_from_record(record)
-    return None if turn is None else turn.n_messages
-
-
-# -- the continuation itself -------------------------------------------------------------------
-
-
 class Continuer:
     """Decides, per chat request, whether its prompt is continued from ids or rendered."""
 
@@ -299,11 +170,13 @@ class Continuer:
         headers: dict[str, str] | None = None,
         timeout: float = 30.0,
         audit_every: int = 16,
+        audit_growth: float = 0.5,
     ) -> None:
         self.enabled = enabled
         self.headers = headers or {}
         self.timeout = timeout
         self.audit_every = audit_every
+        self.audit_growth = audit_growth
         # Per engine and render options: (render(BASE), E), which every turn reuses.
         self._bases: OrderedDict[tuple[str, bytes], tuple[list[int], list[int]]] = OrderedDict()
 
@@ -342,15 +215,32 @@ class Continuer:
         if not engine.token_prompts:
             return rendered._replace(fallback="engine_ignored_token_prompt")
         chain = turn.chain
-        audit = self.audit_every > 0 and (chain is None or chain.continued % self.audit_every == 0)
+        audit = self._audit_due(turn)
         try:
             plan = await self._build(engine, body, turn, choice, audit)
         except _Refused as exc:
             log.info("continuation: the engine at %s cannot render: %s", engine.url, exc)
             return rendered._replace(fallback="engine_cannot_render")
-        if plan.fallback == "audit_failed" and chain is not None:
-            chain.off = "lineage_not_separable"
+        if chain is not None and audit:
+            chain.since_audit, chain.audited_at = 0, turn.prompt_len
+            if plan.fallback == "audit_failed":
+                chain.off = "lineage_not_separable"
+        elif chain is not None and plan.source == "continued":
+            chain.since_audit += 1
         return plan
+
+    def _audit_due(self, turn: Turn) -> bool:
+        """Whether this continued turn renders the whole conversation too: the lineage's first
+        (as this replica knows it), then once `audit_every` turns have been continued since the
+        last audit and the conversation has grown by `audit_growth` since then, so that the
+        audits' cost per turn stays flat however long the conversation gets."""
+        chain = turn.chain
+        if self.audit_every <= 0:
+            return False
+        if chain is None or chain.audited_at == 0:
+            return True
+        grown = turn.prompt_len >= chain.audited_at * (1 + self.audit_growth)
+        return chain.since_audit + 1 >= self.audit_every and grown
 
     async def _build(
         self, engine: Engine, body: dict[str, Any], turn: Turn, choice: int, audit: bool
@@ -509,7 +399,7 @@ def _check(body: dict[str, Any], messages: list[Any], turn: Turn) -> tuple[str |
         return "previous_not_stopped", None
     if not _same_options(body, turn) or not _renders_plainly(body):
         return "render_options_changed", None
-    if any(not isinstance(_text(m.get("content")), str) for m in new):
+    if any(not isinstance(text_of(m.get("content")), str) for m in new):
         return "non_text_content", None
     return None, choice
 

@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -23,8 +23,9 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from trajstore.proxy.apis import Translation, as_chat
-from trajstore.proxy.apis.messages import chat_messages, chat_tools
+from trajstore.proxy.apis import Dropped, Translation, as_chat, dropped_header, dropped_json
+from trajstore.proxy.apis.base import refuse_hosted
+from trajstore.proxy.apis.messages import Messages
 from trajstore.proxy.continuation import RENDERED, Continuer, Plan
 from trajstore.proxy.engines import Engine, EnginePool, NoHealthyEngine
 from trajstore.proxy.errors import BadRequest, EngineFailed, Overloaded, ProxyError, from_bug
@@ -59,9 +60,12 @@ class RelayResponse(StreamingResponse):
     """
 
     def __init__(
-        self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]
+        self,
+        content: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[None]],
+        headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(content, media_type="text/event-stream")
+        super().__init__(content, headers=headers, media_type="text/event-stream")
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -118,6 +122,7 @@ class Forwarder:
             headers=self._headers(None),
             timeout=settings.request_timeout,
             audit_every=settings.continuation_audit_every,
+            audit_growth=settings.continuation_audit_growth,
         )
 
     async def handle(
@@ -129,12 +134,13 @@ class Forwarder:
         `extra_headers` (the agent's own `X-*` headers, such as vLLM's X-Request-Id) are passed
         on to the engine; the agent's key never is.
         """
-        body, chat, asked, translation = as_chat(api, raw)
+        body, chat, asked, translation, dropped = as_chat(api, raw, self.settings.hosted_tools)
         if self.writer.saturated:
             raise Overloaded(
                 "the recorder is behind; retry shortly", retry_after=self.writer.retry_after()
             )
-        call = _Call(api, session, body, chat, asked, translation, self._headers(extra_headers))
+        headers = self._headers(extra_headers)
+        call = _Call(api, session, body, chat, asked, translation, headers, dropped)
         # An engine lost before anything reached the agent (unreachable, its relay gone, its
         # whole answer broken off) leaves a recorded failure, and the request goes to another
         # engine as a new request of the session; once the agent got a stream's head, a break
@@ -162,7 +168,7 @@ class Forwarder:
         `_EngineLost` (recorded) when the engine is lost before the agent got anything."""
         api, session, body, chat, asked = call.api, call.session, call.body, call.chat, call.asked
         request_id = new_request_id()
-        reply = Reply(asked, call.translation, body, request_id)
+        reply = Reply(asked, call.translation, body, request_id, dropped_header(call.dropped))
         recorder = RequestRecorder(
             self.writer,
             session_id=session.session_id,
@@ -188,6 +194,7 @@ class Forwarder:
                 logprobs_mode=self.settings.logprobs_mode,
                 asked=asked,
                 replica=self.replica_id,
+                dropped_tools=dropped_json(call.dropped),
             )
         except BadEvent as exc:
             raise BadRequest(f"the request cannot be recorded: {exc}") from None
@@ -220,14 +227,9 @@ class Forwarder:
     async def count_tokens(self, session: Session, raw: bytes) -> Response:
         """Anthropic's `count_tokens`: the prompt a Messages request would be, counted by the
         engine's own chat template (its `/tokenize`). Nothing is generated, so nothing recorded."""
-        body = parse_body("messages", raw)
-        request: dict[str, Any] = {
-            "model": body.get("model"),
-            "messages": chat_messages(body),
-            "add_generation_prompt": True,
-        }
-        if body.get("tools"):
-            request["tools"] = chat_tools(body["tools"])
+        request, dropped = Messages().count_tokens_request(parse_body("messages", raw))
+        if self.settings.hosted_tools == "refuse":
+            refuse_hosted(dropped, "Anthropic")
         try:
             engine = self.engines.choose(session.session_id)
         except NoHealthyEngine as exc:
@@ -248,7 +250,8 @@ class Forwarder:
             error = BadRequest(message) if status == 400 else EngineFailed(message, status=status)
             raise error
         count = orjson.loads(answer_body).get("count")
-        return Response(orjson.dumps({"input_tokens": count}), media_type=_JSON)
+        answer_json = orjson.dumps({"input_tokens": count})
+        return Response(answer_json, headers=dropped_header(dropped), media_type=_JSON)
 
     # -- non-streaming --------------------------------------------------------------------------
 
@@ -277,7 +280,7 @@ class Forwarder:
         recorder.record(extracted)
         await recorder.finished(extracted.usage)
         self._observe(api, recorder, extracted.usage)
-        return Response(reply.answer(data), media_type=_JSON)
+        return Response(reply.answer(data), headers=reply.headers, media_type=_JSON)
 
     # -- streaming ------------------------------------------------------------------------------
 
@@ -319,7 +322,7 @@ class Forwarder:
             finally:
                 await close()
 
-        return RelayResponse(relay(), on_close=close)
+        return RelayResponse(relay(), on_close=close, headers=reply.headers)
 
     async def _relay(
         self,
@@ -495,6 +498,7 @@ class _Call:
     asked: Asked
     translation: Translation | None
     headers: dict[str, str]
+    dropped: list[Dropped]  #: of the agent's tools, those the engine does not get
 
 
 def _sse(data: dict[str, Any]) -> bytes:
@@ -510,6 +514,7 @@ class Reply:
     translation: Translation | None
     body: dict[str, Any]  #: the agent's request
     request_id: str
+    headers: dict[str, str] = field(default_factory=dict)  #: said with the answer
 
     def answer(self, data: dict[str, Any]) -> bytes:
         """A whole answer, as the agent's API gives it."""

@@ -23,11 +23,37 @@ restart: slower, never wrong.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+import orjson
+
+from trajstore.proxy.apis import TRANSLATIONS
+from trajstore.proxy.errors import ProxyError
+from trajstore.proxy.replicas import Replicas
+from trajstore.store import EventStore, StoreError
+from trajstore.store.records import TurnRecord
+from trajstore.store.replies import same_reply
+from trajstore.store.sessions import rebuild_session
+
+log = logging.getLogger(__name__)
+
+#: Request fields that change how the template renders: a continuation needs them unchanged.
+RENDER_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "documents")
+
+
+def render_key(body: dict[str, Any]) -> bytes:
+    """The request's render options, comparable between turns."""
+    return orjson.dumps([body.get(field) for field in RENDER_FIELDS])
+
+
+# -- comparing the reply the agent sent back with the one it was given -------------------------
+
 
 _KEY = os.urandom(16)
 _COMMA = ord(",")
@@ -100,7 +126,8 @@ class Chain:
     turned continuation off for it (`proxy.continuation`)."""
 
     turns: list[Turn] = field(default_factory=list)
-    continued: int = 0  #: turns continued since the last audit
+    since_audit: int = 0  #: turns continued since its last audit
+    audited_at: int = 0  #: prompt tokens at its last audit (0: never audited)
     off: str | None = None  #: why continuation is off for this lineage
 
     @property
@@ -119,9 +146,17 @@ class SessionTurns:
         self._by_key: dict[tuple[int, bytes], list[Turn]] = {}
         self.size = 0
 
-    def add(self, turn: Turn, extends: Turn | None) -> None:
-        """A completed turn; `extends`: the remembered turn whose prompt + completion its
-        prompt starts with (then it joins that turn's chain when that turn is the last)."""
+    def add(
+        self,
+        turn: Turn,
+        extends: Turn | None,
+        *,
+        parent: Turn | None = None,
+    ) -> None:
+        """A completed turn. `extends`: the remembered turn whose prompt + completion its prompt
+        starts with (it joins that turn's chain when that turn is the last); `parent`: the turn
+        its request continued or looked like (a chain of its own keeps the parent's audit
+        verdict)."""
         chain = extends.chain if extends is not None else None
         if chain is not None and chain.head is extends and turn.held_prompt is not None:
             assert extends is not None
@@ -129,6 +164,8 @@ class SessionTurns:
             extends.held_prompt = None  # the new last turn's prompt holds it
         else:
             chain = Chain()
+            if parent is not None and parent.chain is not None:
+                chain.off = parent.chain.off
             self.chains.append(chain)
         chain.turns.append(turn)
         turn.chain = chain
@@ -178,11 +215,18 @@ class PromptContexts:
         self._sessions.move_to_end(session_id)
         return turns
 
-    def remember(self, session_id: str, turn: Turn, extends: Turn | None) -> None:
-        """Record a completed turn (called once its events are queued, in log order)."""
+    def remember(
+        self,
+        session_id: str,
+        turn: Turn,
+        extends: Turn | None,
+        parent: Turn | None = None,
+    ) -> None:
+        """Record a completed turn (called once its events are queued, in log order); the
+        arguments are `SessionTurns.add`'s."""
         turns = self.get(session_id)
         self._bytes -= turns.size
-        turns.add(turn, extends)
+        turns.add(turn, extends, parent=parent)
         self._bytes += turns.size
         while self._bytes > self.max_bytes and len(self._sessions) > 1:
             _, dropped = self._sessions.popitem(last=False)
@@ -198,3 +242,82 @@ class PromptContexts:
     def held(self) -> int:
         """Bytes held, about."""
         return self._bytes
+
+
+# -- the turn continued, from the log ------------------------------------------------------
+
+
+def turn_from_record(record: TurnRecord) -> Turn | None:
+    """A completed turn as rebuilt from the log (`rebuild_session(packed=True)`), or None."""
+    translation = TRANSLATIONS.get(record.api)
+    if record.status != "completed" or (record.api != "chat" and translation is None):
+        return None
+    body = {**record.body, "messages": record.messages}
+    try:
+        chat = body if translation is None else translation.to_chat(record.body)
+    except ProxyError:
+        return None
+    messages = chat.get("messages")
+    prompt = record.prompt_token_ids
+    if not isinstance(messages, list) or not isinstance(prompt, bytes) or not record.choices:
+        return None
+    endings = []
+    for index in range(len(record.choices)):
+        choice = record.choices.get(index)
+        if choice is None:
+            return None
+        tokens = choice.token_ids if isinstance(choice.token_ids, bytes) else b""
+        endings.append(Ending(tokens, choice.finish_reason, choice.stop_reason, choice.message))
+    options = [chat.get(name) for name in RENDER_FIELDS]
+    return Turn(
+        record.request_id, len(prompt) // 4, len(messages), 0, b"", b"", tuple(endings),
+        api=record.api, from_log=(messages, options), held_prompt=prompt,
+    )  # fmt: skip
+
+
+async def turn_in_log(
+    store: EventStore,
+    replicas: Replicas,
+    session_id: str,
+    messages: list[Any],
+    wait: float = 2.0,
+) -> Turn | None:
+    """The deepest turn of the session's log whose messages and reply `messages` starts with,
+    for a request that continues a turn this replica does not remember (served by another
+    replica, before a restart, or forgotten).
+
+    The other replicas are asked to store the session's events first (the finish barrier), but
+    for `wait` seconds at most: a turn is not held up for long; without them, the log may lack
+    the turn continued, and the request is then rendered from its messages.
+    """
+    try:
+        async with asyncio.timeout(wait):
+            await replicas.flush_everywhere(session_id)
+    except (TimeoutError, ProxyError, StoreError) as exc:
+        log.info("continuation reads %s's log without every replica's writes: %s", session_id, exc)
+    record = rebuild_session(session_id, await store.read_session(session_id), packed=True)
+    best: Turn | None = None
+    # Cheap first: the message after the turn's must be its reply; only then the whole list.
+    for candidate in reversed(record.turns):
+        if candidate.status != "completed" or candidate.api == "completions":
+            continue
+        n = _n_messages(candidate)
+        if n is None or n + 1 >= len(messages) or (best and best.n_messages >= n):
+            continue
+        if not any(same_reply(messages[n], c.message) for c in candidate.choices.values()):
+            continue
+        turn = turn_from_record(candidate)
+        if turn is not None and turn.from_log and messages[:n] == turn.from_log[0]:
+            best = turn
+    return best
+
+
+def _n_messages(record: TurnRecord) -> int | None:
+    """How many messages the turn sent (from counts for chat: no list is built)."""
+    if record.api == "chat":
+        return record.n_messages
+    turn = turn_from_record(record)
+    return None if turn is None else turn.n_messages
+
+
+# -- the continuation itself -------------------------------------------------------------------

@@ -26,7 +26,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trajstore.proxy.admission import RateLimited, Ticket
-from trajstore.proxy.apis import TRANSLATIONS, as_chat
+from trajstore.proxy.apis import TRANSLATIONS, as_chat, dropped_json
 from trajstore.proxy.auth import require_session_key
 from trajstore.proxy.errors import (
     BadRequest,
@@ -233,7 +233,7 @@ async def record_refusal(
 ) -> None:
     """Record a request the proxy did not forward: its `request_received` (no engine chosen)
     and its `request_failed`. A body that is not valid is a 400 instead, as it would have been."""
-    body, chat, asked, _ = as_chat(api, raw)
+    body, chat, asked, _, dropped = as_chat(api, raw, state.settings.hosted_tools)
     recorder = RequestRecorder(
         state.registry.writer,
         session_id=session.session_id,
@@ -258,6 +258,7 @@ async def record_refusal(
         logprobs_mode=state.settings.logprobs_mode,
         asked=asked,
         replica=state.forwarder.replica_id,
+        dropped_tools=dropped_json(dropped),
     )
     await recorder.emit(received)
     await recorder.failed(reason, message, status)

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from trajstore.proxy.continuation import RENDERED, Plan, render_key
+from trajstore.proxy.continuation import RENDERED, Plan
 from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, referenced
-from trajstore.proxy.lineages import Ending, SessionTurns, Turn, messages_key
+from trajstore.proxy.lineages import Ending, SessionTurns, Turn, messages_key, render_key
 from trajstore.proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
 from trajstore.store import BadEvent, EventType, EventWriter, NewEvent, request_stream
 from trajstore.store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
@@ -74,7 +74,7 @@ class RequestRecorder:
         request_id: str,
         chunk_tokens: int = 16,
         turns: SessionTurns | None = None,
-        on_completed: Callable[[Turn, Turn | None], None] | None = None,
+        on_completed: Callable[[Turn, Turn | None, Turn | None], None] | None = None,
         on_prompt: Callable[[Plan], None] | None = None,
         finish_reason_in_api: Callable[[str | None, Any], str | None] | None = None,
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
@@ -82,7 +82,8 @@ class RequestRecorder:
     ) -> None:
         """`turns`: the session's turns this replica remembers, which this turn's prompt and
         messages may reference (`proxy.lineages`); `on_completed`: told this turn as a `Turn`
-        once it finished, with the turn its prompt extends (if remembered); `on_prompt`:
+        once it finished, with the turn its prompt extends (if remembered) and the turn its request
+        continued or looked like; `on_prompt`:
         told how the prompt reached the engine once the engine echoed it;
         `finish_reason_in_api`: a translated API's name for a chat finish reason (`proxy.apis`);
         `max_image_bytes`: the largest image a chat message may carry (`proxy.images`);
@@ -131,12 +132,14 @@ class RequestRecorder:
         asked: Asked,
         chat: dict[str, Any] | None = None,
         replica: str | None = None,
+        dropped_tools: list[dict[str, Any]] | None = None,
     ) -> NewEvent:
         """Build (and so validate) the request_received event, before anything is forwarded.
 
         `body` is the agent's request as it sent it; `chat` the chat request it was translated
         to (`proxy.apis`; the body itself for chat): its sampling, messages and render options
         are what the next turn is compared with. `replica`: the proxy replica serving it.
+        `dropped_tools`: the agent's tools the engine did not get (`proxy.apis.Dropped`).
         """
         chat = body if chat is None else chat
         self.api = api
@@ -154,6 +157,8 @@ class RequestRecorder:
         }
         if replica is not None:
             payload["replica"] = replica
+        if dropped_tools:
+            payload["dropped_tools"] = dropped_tools
         messages = chat.get("messages")
         recorded = messages
         if api == "chat" and isinstance(messages, list):
@@ -266,7 +271,7 @@ class RequestRecorder:
         # A later turn may reference and continue this one, once it is whole.
         whole = sorted(self._choices) == list(range(len(self._choices)))
         if self.on_completed is not None and self._prompt is not None and whole:
-            self.on_completed(self._as_turn(choices), self._extended())
+            self.on_completed(self._as_turn(choices), self._extended(), self.plan.turn)
 
     def _as_turn(self, finished: list[dict[str, Any]]) -> Turn:
         endings = tuple(

@@ -75,6 +75,13 @@ class ProxySettings(BaseSettings):
         "(a full batch and `finish` never wait for it).",
     )
 
+    hosted_tools: Literal["drop", "refuse"] = Field(
+        default="drop",
+        description="What a Responses or Messages request's tools that the engine cannot run "
+        "(hosted and server tools: web_search, file_search, code_interpreter, mcp, ...) become: "
+        "`drop`, left out of what the engine sees, recorded with the turn (`dropped_tools`) and "
+        "named in the X-Trajstore-Dropped-Tools header; `refuse`, a 400 naming the tool.",
+    )
     continuation: Literal["tokens", "text"] = Field(
         default="tokens",
         description="How a chat turn that continues an earlier turn of its lineage reaches the "
@@ -84,10 +91,17 @@ class ProxySettings(BaseSettings):
     continuation_audit_every: int = Field(
         default=16,
         ge=0,
-        description="A continued turn's check renders only the new messages; every this many "
-        "continued turns of a lineage (and its first) the whole conversation is rendered too, "
-        "as an audit that turns continuation off for the lineage when it disagrees, and that "
-        "measures the drift avoided (1: every turn; 0: never).",
+        description="A continued turn's check renders only the new messages; on a lineage's "
+        "first continued turn, then after this many continued turns (once the conversation "
+        "also grew by TRAJSTORE_CONTINUATION_AUDIT_GROWTH), the whole conversation is rendered "
+        "too: an audit that turns continuation off for the lineage when it disagrees, and that "
+        "measures the drift avoided (1 with growth 0: every turn; 0: never).",
+    )
+    continuation_audit_growth: float = Field(
+        default=0.5,
+        ge=0,
+        description="How much a conversation must have grown since its last audit before the "
+        "next (0.5: by half), so that audits cost a flat share of each turn at any length.",
     )
     session_idle_timeout: float = Field(
         default=3600.0,

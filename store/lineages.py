@@ -11,24 +11,34 @@ The rule. Turns are taken in request order (`store.sessions`). For each turn wit
 1. **Extend.** P starts with a lineage's tokens: those of its last turn (prompt + completion), or
    all of them but the final end-of-turn token when that turn stopped on it and the template does
    not repeat it. The deepest such lineage wins and the turn joins it.
-2. Otherwise take the lineage L whose tokens P shares the longest prefix with (s tokens; ties go
+2. Otherwise, when the turn's *messages* repeat those of a lineage's last turn and go on with an
+   assistant message, it is that conversation although its tokens do not extend it: a divergence
+   `template_not_append_only` when that message is the reply as it was given (the template
+   rendered the history other than as sampled, e.g. from text after a fallback, or a thinking
+   template dropping earlier reasoning), `history_rewritten` when it was edited.
+3. Otherwise take the lineage L whose tokens P shares the longest prefix with (s tokens; ties go
    to the lineage most recently extended) and decide, in order:
    - `history_truncated`: P is a strict prefix of L's tokens (the context was cut at its end);
    - `template_not_append_only`: P repeats L's last prompt whole and differs inside L's last
      completion (the reply came back re-rendered);
-   - `compacted` / `history_rewritten`: P contains L's last completion (the interior of it, at
-     least `MIN_CONTAINED` tokens) past where it leaves L's tokens: the agent kept the latest
-     reply and changed what came before it. `compacted` when P is less than half as long as L's
-     tokens (the history was replaced by something shorter, such as a summary the model wrote,
-     or old tool output pruned), else `history_rewritten` (a message edited inside the history).
-     Any lineage whose last completion P contains is considered, L first.
-   In these three cases the turn stays in L and starts a new branch of it: a *divergence*,
-   recorded with its turn, position and reason.
+   - `compacted` / `history_rewritten`: P shares at least `MIN_SHARED` tokens with L (its
+     system prompt, say) and contains L's last completion (its interior, at least
+     `MIN_CONTAINED` tokens) past where it leaves L's tokens: the agent kept the latest reply
+     and changed what came before it. `compacted` when P is less than half as long as L's tokens
+     (the history replaced by something shorter, such as a summary the model wrote, or old tool
+     output pruned), else `history_rewritten` (a message edited inside the history);
+   - `compacted`, too: P shares `MIN_SHARED` tokens with L and contains the last completion of
+     another lineage whose prompt held L's last completion (a summary asked for in a call of its
+     own, over L's history).
+   In these cases the turn stays in L and starts a new branch of it: a *divergence*, recorded
+   with its turn, position and reason. (A prompt that contains L's last completion but shares
+   no prefix with it, such as a memory-extraction call over L's history under a system prompt
+   of its own, is a new lineage forked from L at 0 tokens: a side call, not L's continuation.)
    - **Side call at the tip.** P extends the tokens of the turn T just before L's last turn H,
      and H extended T: H was a call off the conversation (a summary, a check, a parallel call
      from the same point) that the conversation did not take up. H leaves L and becomes a
      lineage of its own, forked from L, and the turn joins L after T.
-3. Otherwise the turn starts a new lineage. It *forks* from L when they share at least
+4. Otherwise the turn starts a new lineage. It *forks* from L when they share at least
    `MIN_SHARED` tokens (a sub-agent or a side call that repeats the harness's system prompt, a
    rewind to an earlier point of L), with `fork_at` = s; else it is a root.
 
@@ -55,7 +65,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from trajstore.store.completions import LastCompletions
 from trajstore.store.prefixes import Digests, PrefixIndex, extends, new_hasher
+from trajstore.store.replies import same_reply
 from trajstore.store.tokens import TOKEN_DTYPE, shared_prefix
 
 if TYPE_CHECKING:
@@ -63,8 +75,6 @@ if TYPE_CHECKING:
 
 #: Tokens a turn must share with a lineage to count as forked from it (less: a root).
 MIN_SHARED = 16
-#: Tokens of a completion's interior that must reappear for a turn to count as keeping it.
-MIN_CONTAINED = 8
 _ID = TOKEN_DTYPE.itemsize
 
 
@@ -110,7 +120,7 @@ class _Before:
     prompt_len: int  #: tokens of its prompt
 
 
-@dataclass
+@dataclass(eq=False)
 class Lineage:
     """One conversation of a session."""
 
@@ -126,6 +136,7 @@ class Lineage:
     eot: bool = False  #: that turn stopped on its last id: a next prompt may leave it out
     before: _Before | None = None
     touched: int = 0  #: when it was last extended (the most recent wins ties)
+    tip_request: str | None = None  #: its last turn's request id
     digests: Digests = field(default_factory=Digests, repr=False)  #: how far it is indexed
 
     @property
@@ -168,10 +179,11 @@ class Assigner:
         self.session = session
         self.forest = Forest()
         self.index = PrefixIndex()
+        self._dirty: dict[Lineage, None] = {}  # lineages whose tokens changed since indexed
         self._clock = 0
         self._tips: dict[str, Lineage] = {}  # request id of a lineage's last turn -> it
-        self._completions: dict[int, list[int]] = {}  # a completion's first key -> lineages
-        self._contained: dict[int, tuple[bytes, int]] = {}  # lineage -> (interior, its key)
+        self._completions = LastCompletions()  # each lineage's, to find in a later prompt
+        self._summaries: dict[int, list[Lineage]] = {}  # lineage -> calls over its history
 
     def run(self) -> Forest:
         """Place every completed turn, in order; then the roles."""
@@ -184,33 +196,28 @@ class Assigner:
 
     # -- the walk over the index -----------------------------------------------------------
 
-    def _walk(
-        self, tail: bytes, start: int, hasher: Any
-    ) -> tuple[tuple[Lineage, int] | None, int | None]:
-        """The deepest lineage a prompt extends, with where its glue starts (bytes), and the
-        lineage it follows longest; the prompt from token `start` on is `tail` (`hasher` holds
-        its digest at `start`)."""
-        candidates, follows = self.index.walk(tail, start, hasher)
+    def _walk(self, prompt: bytes) -> tuple[tuple[Lineage, int] | None, int | None]:
+        """The deepest lineage the prompt extends, with where its glue starts (bytes), and the
+        lineage it follows longest (`store.prefixes`)."""
+        for lineage in self._dirty:  # indexed when first needed: a session of one conversation
+            self.index.update(lineage.index, lineage.state, lineage.digests, lineage.eot)
+        self._dirty.clear()
+        heads, follows = self.index.walk(prompt, 0, new_hasher())
         found: tuple[Lineage, int] | None = None
-        for index in candidates:
-            lineage = self.forest.lineages[index]
-            glue_at = extends(tail, start * _ID, lineage.state, lineage.eot)
-            if glue_at is not None and (found is None or glue_at > found[1]):
-                found = (lineage, glue_at)
+        for index, glue_at in heads:
+            if found is None or glue_at > found[1]:
+                found = (self.forest.lineages[index], glue_at)
         return found, follows
 
     # -- turns -------------------------------------------------------------------------------
 
     def _place(self, index: int, turn: TurnRecord) -> None:
-        by_reference = self._by_reference(turn)
-        if by_reference is not None:
-            (found, _), start, tail = by_reference
-            if found is not None:  # always, unless the index lost it: then the general way
-                lineage, glue_at = found
-                self._join(lineage, index, tail[glue_at - start :], glue_at)
-                return
+        lineage, glue_at = self._by_reference(turn)
+        if lineage is not None:
+            self._join(lineage, index, _packed(turn.prompt_added), glue_at)
+            return
         prompt = _packed(turn.prompt_token_ids)
-        found, follows = self._walk(prompt, 0, new_hasher())
+        found, follows = self._walk(prompt)
         if found is not None and self._other_choice(found[0], prompt, found[1]):
             self._place(index, turn)
         elif found is not None:
@@ -221,21 +228,21 @@ class Assigner:
         else:
             self._diverge_or_start(index, turn, prompt, follows)
 
-    def _by_reference(self, turn: TurnRecord) -> tuple[Any, int, bytes] | None:
-        """For a prompt the log stores as a reference to a lineage's last turn, which it
-        extends: the walk from that lineage's last boundary, over the tokens from there on
-        (what the turn added, and the end of the lineage's tokens). None for other prompts."""
+    def _by_reference(self, turn: TurnRecord) -> tuple[Lineage | None, int]:
+        """A prompt the log stores as a reference to a lineage's last turn that it extends (all
+        of its tokens, or all but an end-of-turn id the template leaves out) joins that lineage,
+        its glue what the turn stored: (that lineage, where the glue starts), else (None, 0).
+        The proxy references the deepest turn a request continues, so this is the rule's answer
+        at the cost of what the turn added."""
         prefix = turn.prompt_prefix
         lineage = None if prefix is None else self._tips.get(str(prefix.get("request_id")))
         if lineage is None or lineage.tip.choice != 0:
-            return None
+            return None, 0
         assert prefix is not None
         n = int(prefix.get("n_tokens") or 0) * _ID
-        if not (n == len(lineage.state) or (lineage.eot and n == len(lineage.state) - _ID)):
-            return None
-        at, hasher = lineage.head_boundary()
-        tail = bytes(lineage.state[at * _ID : n]) + _packed(turn.prompt_added)
-        return self._walk(tail, at, hasher), at * _ID, tail
+        if n == len(lineage.state) or (lineage.eot and n == len(lineage.state) - _ID):
+            return lineage, n
+        return None, 0
 
     def _other_choice(self, lineage: Lineage, prompt: bytes, deeper_than: int) -> bool:
         """With n > 1: whether `prompt` extends another choice of the lineage's last turn further
@@ -252,7 +259,7 @@ class Assigner:
             if index != lineage.tip.choice and glue_at is not None and glue_at > deeper_than:
                 lineage.tip.choice = index
                 lineage.state, lineage.eot = bytearray(state), eot
-                self.index.update(lineage.index, lineage.state, lineage.digests)
+                self._touch(lineage)
                 return True
         return False
 
@@ -266,9 +273,10 @@ class Assigner:
 
     def _tip(self, lineage: Lineage, index: int) -> None:
         """The turn is the lineage's last now."""
-        for request_id in [r for r, lin in self._tips.items() if lin is lineage]:
-            del self._tips[request_id]
-        self._tips[self.session.turns[index].request_id] = lineage
+        if lineage.tip_request is not None and self._tips.get(lineage.tip_request) is lineage:
+            del self._tips[lineage.tip_request]
+        lineage.tip_request = self.session.turns[index].request_id
+        self._tips[lineage.tip_request] = lineage
         self.forest.lineage_of[index] = lineage.index
 
     def _new(self, index: int, prompt: bytes, parent: int | None, fork_at: int | None) -> None:
@@ -296,12 +304,13 @@ class Assigner:
         lineage.eot = choice.finish_reason == "stop" and bool(completion)
         lineage.longest = max(lineage.longest, len(lineage.state) // _ID)
         self._touch(lineage)
-        self._remember_completion(lineage, completion, choice.finish_reason)
+        self._completions.remember(lineage.index, completion, choice.finish_reason)
 
     def _touch(self, lineage: Lineage) -> None:
+        """The lineage's tokens changed: it is indexed again before the next walk."""
         self._clock += 1
         lineage.touched = self._clock
-        self.index.update(lineage.index, lineage.state, lineage.digests)
+        self._dirty[lineage] = None
 
     # -- a prompt that extends no lineage ---------------------------------------------------
 
@@ -309,33 +318,82 @@ class Assigner:
         self, index: int, turn: TurnRecord, prompt: bytes, follows: int | None
     ) -> None:
         lineage = None if follows is None else self.forest.lineages[follows]
+        said = self._continues_messages(turn, lineage)
+        if said is not None:  # the same conversation, its tokens re-rendered or its reply edited
+            owner, why = said
+            at = shared_prefix(prompt, bytes(owner.state))
+            self._branch(owner, index, prompt, Divergence(index, at, why))
+            return
         shared = 0 if lineage is None else shared_prefix(prompt, bytes(lineage.state))
         if lineage is not None:
             reason = self._divergence(lineage, prompt, shared)
             if reason is not None:
                 self._branch(lineage, index, prompt, Divergence(index, shared, reason))
                 return
-        kept = self._containing(prompt, exclude=follows)
-        if kept is not None:
-            at = shared_prefix(prompt, bytes(kept.state))
-            self._branch(kept, index, prompt, Divergence(index, at, self._kept(kept, prompt)))
+        # Another lineage's last completion inside the prompt: a summary of this one (compacted
+        # through a summarising call), or a call over this one's history (a new lineage).
+        if lineage is not None and shared >= MIN_SHARED and self._summarised(lineage, prompt):
+            self._branch(lineage, index, prompt, Divergence(index, shared, "compacted"))
             return
         if lineage is not None and self._side_call_at_tip(lineage, prompt):
             self._place(index, turn)  # the lineage is back at the turn before: place it again
             return
         if lineage is not None and shared >= MIN_SHARED:
             self._new(index, prompt, lineage.index, shared)
+        elif (kept := self._containing(prompt)) is not None:
+            # A call over a lineage's history under a prompt of its own: it shares no prefix.
+            self._new(index, prompt, kept.index, 0)
+            self._summaries.setdefault(kept.index, []).append(self.forest.lineages[-1])
         else:
             self._new(index, prompt, None, None)
+
+    def _continues_messages(
+        self, turn: TurnRecord, follows: Lineage | None
+    ) -> tuple[Lineage, str] | None:
+        """The lineage whose last turn's messages the turn's repeat, then an assistant message
+        (the messages say it is the same conversation although the tokens do not), with the
+        reason: the reply as it was given (`template_not_append_only`) or edited
+        (`history_rewritten`). The turn its messages reference is asked first (the proxy found
+        it so), then the lineage its tokens follow longest (compared as values)."""
+        prefix = turn.messages_prefix
+        lineage = None if prefix is None else self._tips.get(str(prefix.get("request_id")))
+        added = turn.messages_added
+        if lineage is not None and added and isinstance(added[0], dict):
+            return self._reply_kept(lineage, added[0])
+        if follows is None:
+            return None
+        mine = turn.messages
+        theirs = self.session.turns[follows.tip.turn].messages
+        if mine is None or theirs is None or len(mine) <= len(theirs):
+            return None
+        if mine[: len(theirs)] != theirs or not isinstance(mine[len(theirs)], dict):
+            return None
+        return self._reply_kept(follows, mine[len(theirs)])
+
+    def _reply_kept(self, lineage: Lineage, sent: dict[str, Any]) -> tuple[Lineage, str] | None:
+        if sent.get("role") != "assistant":
+            return None
+        tip = lineage.tip
+        returned = self.session.turns[tip.turn].choices.get(tip.choice)
+        kept = returned is not None and same_reply(sent, returned.message)
+        return lineage, "template_not_append_only" if kept else "history_rewritten"
 
     def _divergence(self, lineage: Lineage, prompt: bytes, shared: int) -> str | None:
         if shared == len(prompt) // _ID < len(lineage.state) // _ID:
             return "history_truncated"
         if shared >= lineage.prompt_len:
             return "template_not_append_only"
-        if self._contains(prompt, lineage, shared):
+        if shared >= MIN_SHARED and self._completions.contains(prompt, lineage.index, shared):
             return self._kept(lineage, prompt)
         return None
+
+    def _summarised(self, lineage: Lineage, prompt: bytes) -> bool:
+        """Whether `prompt` holds the last completion of a call made over `lineage`'s history
+        (a lineage forked from it at 0 tokens: its last completion is then a summary of it)."""
+        return any(
+            self._completions.contains(prompt, summary.index)
+            for summary in self._summaries.get(lineage.index, ())
+        )
 
     @staticmethod
     def _kept(lineage: Lineage, prompt: bytes) -> str:
@@ -347,7 +405,7 @@ class Assigner:
         self._tip(lineage, index)
 
     def _side_call_at_tip(self, lineage: Lineage, prompt: bytes) -> bool:
-        """Rule 2's last case: when `prompt` extends the turn before the lineage's last one,
+        """Rule 3's last case: when `prompt` extends the turn before the lineage's last one,
         that last turn leaves for a lineage of its own. Returns whether it did."""
         before = lineage.before
         if before is None:
@@ -364,61 +422,19 @@ class Assigner:
         self.forest.lineages.append(side)
         self._tip(side, head.turn)
         self._touch(side)
-        held = self._contained.get(lineage.index)
-        self._forget_completion(lineage)
-        if held is not None:
-            self._contained[side.index] = held
-            self._completions[held[1]].append(side.index)
+        self._completions.move(lineage.index, side.index)
         # The conversation is back at the turn before: it is the lineage's last again.
         self.index.rewind(lineage.digests, before.length // _ID - 1)
         lineage.state = bytearray(state_before)
         lineage.prompt_len, lineage.eot = before.prompt_len, before.eot
         lineage.before = None
-        self._tips[self.session.turns[before.turn].request_id] = lineage
+        self._tip(lineage, before.turn)
         self._touch(lineage)
         return True
 
-    # -- a lineage's last completion, kept inside a later prompt ----------------------------
-
-    def _remember_completion(
-        self, lineage: Lineage, completion: bytes, finish_reason: str | None
-    ) -> None:
-        self._forget_completion(lineage)
-        ids = completion[:-_ID] if finish_reason == "stop" else completion
-        interior = ids[_ID:-_ID]  # its edges may merge with the text around it when re-rendered
-        if len(interior) < MIN_CONTAINED * _ID:
-            return
-        key = int(_window_keys(interior[: MIN_CONTAINED * _ID])[0])
-        self._contained[lineage.index] = (interior, key)
-        self._completions.setdefault(key, []).append(lineage.index)
-
-    def _forget_completion(self, lineage: Lineage) -> None:
-        held = self._contained.pop(lineage.index, None)
-        if held is not None:
-            self._completions[held[1]].remove(lineage.index)
-
-    def _contains(self, prompt: bytes, lineage: Lineage, after: int) -> bool:
-        held = self._contained.get(lineage.index)
-        if held is None:
-            return False
-        at = prompt.find(held[0], after * _ID)
-        while at >= 0 and at % _ID:
-            at = prompt.find(held[0], at + 1)
-        return at >= 0
-
-    def _containing(self, prompt: bytes, exclude: int | None) -> Lineage | None:
-        """The most recently extended lineage whose last completion `prompt` contains."""
-        wanted = [k for k, v in self._completions.items() if v]
-        if not wanted or len(prompt) < MIN_CONTAINED * _ID:
-            return None
-        keys = _window_keys(prompt)
-        found = [
-            self.forest.lineages[index]
-            for key in np.unique(keys[np.isin(keys, np.array(wanted, np.uint64))]).tolist()
-            for index in self._completions.get(int(key), ())
-            if index != exclude
-        ]
-        found = [lin for lin in found if self._contains(prompt, lin, 0)]
+    def _containing(self, prompt: bytes) -> Lineage | None:
+        """The most recently extended lineage whose last completion `prompt` holds."""
+        found = [self.forest.lineages[owner] for owner in self._completions.containing(prompt)]
         return max(found, key=lambda lin: lin.touched) if found else None
 
     # -- roles -------------------------------------------------------------------------------
@@ -436,17 +452,6 @@ class Assigner:
             lineage.role = "subagent" if lineage.n_turns > 1 else "side"
         main.role = "main"
         self.forest.main = main.index
-
-
-def _window_keys(packed: bytes) -> np.ndarray[Any, np.dtype[np.uint64]]:
-    """A 64-bit key of every run of MIN_CONTAINED ids (wrapping arithmetic: a hit is checked)."""
-    ids = np.frombuffer(packed, TOKEN_DTYPE).astype(np.uint64)
-    n = max(len(ids) - MIN_CONTAINED + 1, 0)
-    keys = np.zeros(n, np.uint64)
-    with np.errstate(over="ignore"):
-        for j in range(MIN_CONTAINED):
-            keys = keys * np.uint64(1_000_003) + ids[j : j + n]
-    return keys
 
 
 def assign(session: SessionRecord) -> Forest:

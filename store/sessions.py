@@ -20,6 +20,11 @@ A session's events live in two kinds of streams (see `store.events`):
                           image parts the whole messages hold; the engine's placeholder id,
                           when the proxy was told it) and each image's URL in body replaced by
                           a reference, `trajstore-image:sha256:<hex>` (`store.images`)
+                          With tools the engine did not get (api messages or responses):
+                          {dropped_tools: [{param, type, name?}]}, each a tool left out
+                          (`tools.8`, `web_search`: hosted and server tools) or a custom
+                          tool's grammar not enforced (`tools.5.format`, `grammar`); see
+                          `proxy.apis`
     image_recorded       {sha256, source: data, media_type, n_bytes, data (base64)} or
                           {sha256, source: url, url}: one per image that this request brings
                           into the session (see below); right after request_received

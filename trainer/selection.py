@@ -65,8 +65,7 @@ class Selection:
       many versions behind the current policy. `current_policy_version` alone selects nothing
       but gives batches their staleness.
     - `projection_version`: which projection version to read; None (the default) reads the one
-      served to readers (`projection_serving`), which is `store.samples.PROJECTION_VERSION` until
-      a rebuild writes a newer one.
+      served to readers (`projection_serving`), which is 1 until a rebuild writes a newer one.
     """
 
     runs: tuple[str, ...] = ()

@@ -1,10 +1,11 @@
 """What a translated API provides (`Translation`), and the pieces both translations share: text
-content, tool-call arguments, the engine's answer read as one assistant message."""
+content, tool-call arguments, the tools the engine does not see, the engine's answer read as one
+assistant message."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import orjson
 
@@ -27,11 +28,62 @@ class StreamTranslation(Protocol):
         ...
 
 
+class Dropped(NamedTuple):
+    """Something of the agent's tools the engine does not get: a tool it cannot run (a hosted
+    tool, left out), or a custom tool's grammar it cannot enforce (the tool is served without
+    it). Recorded with the turn (`request_received.dropped_tools`) and said in a header."""
+
+    param: str  #: where it is in the request: `tools.4`, `tools.5.format`
+    type: str  #: the tool's type (`web_search`, `web_search_20250305`), or `grammar`
+    name: str | None = None  #: the tool's name, when it has one
+
+    @property
+    def whole_tool(self) -> bool:
+        """Whether the engine does not see the tool at all (what `hosted_tools=refuse` refuses)."""
+        return self.type != "grammar"
+
+    def as_json(self) -> dict[str, Any]:
+        """The record's form."""
+        out = {"param": self.param, "type": self.type}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class Translated(NamedTuple):
+    """A request translated to chat, and what of its tools the engine does not get."""
+
+    chat: dict[str, Any]
+    dropped: list[Dropped]
+
+
+#: What the proxy does with a tool the engine cannot run (`ProxySettings.hosted_tools`).
+HostedTools = Literal["drop", "refuse"]
+
+
+def refuse_hosted(dropped: list[Dropped], runs_on: str) -> None:
+    """The 400 for the first tool that is left out, when the proxy is set to refuse them."""
+    for item in dropped:
+        if item.whole_tool:
+            raise BadRequest(
+                f"{item.param}: the engine cannot run a {item.type!r} tool (one of {runs_on}'s "
+                "own), and this proxy refuses such tools (TRAJSTORE_HOSTED_TOOLS=refuse): remove "
+                "it, or let the proxy leave it out (TRAJSTORE_HOSTED_TOOLS=drop, the default)",
+                param=item.param,
+            )
+
+
 class Translation(Protocol):
     """One agent API, to and from the engine's chat completions."""
 
+    def translate(self, body: dict[str, Any]) -> Translated:
+        """The chat request the agent's request means, and the tools left out of it (hosted
+        tools are always left out here: `as_chat` refuses them when told to); `BadRequest`
+        saying what to fix."""
+        ...
+
     def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The chat request the agent's request means; `BadRequest` saying what to fix."""
+        """The chat request alone (as `translate`)."""
         ...
 
     def answer(self, chat: dict[str, Any], body: dict[str, Any], request_id: str) -> dict[str, Any]:

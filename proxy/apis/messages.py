@@ -5,11 +5,15 @@
     text blocks of one message              its content (several: text parts)
     assistant tool_use blocks               that message's tool_calls (input as JSON arguments)
     user tool_result blocks                 tool messages, before the message's text
-    thinking blocks sent back               left out (a template strips them from history)
-    tools {name, description, input_schema} function tools
+    thinking, redacted_thinking sent back   left out (a template strips them from history)
+    tool_reference blocks in a tool_result  the tool's name, as text (every tool is served)
+    tools: client, bash_*, text_editor_*    function tools (`proxy.apis.messages_tools`)
+    server tools (web_search_*, ...)        left out, recorded (`Translated.dropped`)
     tool_choice auto | any | tool | none    auto | required | that function | none
     stop_sequences, max_tokens              stop, max_tokens
-    image / document blocks, server tools   400: text and function tools only, for now
+    image / document blocks                 400: text only, for now
+    cache_control, metadata, thinking,      accepted; not the engine's business (headers such
+      context_management, output_config     as `anthropic-beta` neither)
 
 Back: the first choice as content blocks (thinking, text, tool_use), `stop_reason` from the
 finish reason (stop -> end_turn, or stop_sequence when a stop string matched; length ->
@@ -26,12 +30,14 @@ import orjson
 
 from trajstore.proxy.apis.base import (
     AssistantTurn,
+    Translated,
     parsed_arguments,
     refuse_media,
     serialised_arguments,
     sse_event,
     text_content,
 )
+from trajstore.proxy.apis.messages_tools import chat_tools
 from trajstore.proxy.errors import BadRequest, ProxyError
 
 #: Anthropic's own fields, translated (or ignored, for `metadata` and the like); anything else
@@ -62,6 +68,8 @@ def _text_of(block: Any, param: str) -> str:
         if not isinstance(text, str):
             raise BadRequest("a text block needs 'text' as a string", param=param)
         return text
+    if kind == "tool_reference":  # a tool search's result: the tool it found, by name
+        return str(block.get("tool_name", ""))
     if kind in ("image", "document", "search_result", "container_upload"):
         raise refuse_media(kind, param)
     raise BadRequest(f"unexpected content block {kind!r} here", param=param)
@@ -160,34 +168,6 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_tools(tools: Any) -> list[dict[str, Any]]:
-    """Anthropic's client tools as chat function tools."""
-    if not isinstance(tools, list):
-        raise BadRequest("'tools' must be a list", param="tools")
-    out = []
-    for k, tool in enumerate(tools):
-        if (
-            not isinstance(tool, dict)
-            or "input_schema" not in tool
-            or tool.get("type")
-            not in (
-                None,
-                "custom",
-            )
-        ):
-            kind = tool.get("type") if isinstance(tool, dict) else tool
-            raise BadRequest(
-                f"tools.{k}: only client tools ({{name, description, input_schema}}) are "
-                f"served; {kind!r} runs on Anthropic's servers",
-                param=f"tools.{k}",
-            )
-        function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
-        if tool.get("description"):
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
-    return out
-
-
 def _tool_choice(choice: Any, chat: dict[str, Any]) -> None:
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind == "auto":
@@ -209,8 +189,8 @@ def _tool_choice(choice: Any, chat: dict[str, Any]) -> None:
 class Messages:
     """The Anthropic Messages API (a `proxy.apis.Translation`)."""
 
-    def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The chat request a Messages request means."""
+    def translate(self, body: dict[str, Any]) -> Translated:
+        """The chat request a Messages request means, and the tools left out of it."""
         max_tokens = body.get("max_tokens")
         if type(max_tokens) is not int or max_tokens < 1:
             raise BadRequest("'max_tokens' is required: a positive integer", param="max_tokens")
@@ -231,13 +211,31 @@ class Messages:
                     "'stop_sequences' must be a list of strings", param="stop_sequences"
                 )
             chat["stop"] = stop
-        if body.get("tools"):
-            chat["tools"] = chat_tools(body["tools"])
+        chat["tools"], dropped = chat_tools(body["tools"]) if body.get("tools") else ([], [])
+        if not chat["tools"]:
+            del chat["tools"]  # none, or all run on Anthropic's servers
         if body.get("tool_choice") is not None:
             _tool_choice(body["tool_choice"], chat)
         if body.get("stream"):  # checked with the body (`proxy.wire.parse_body`)
             chat["stream"] = True
-        return chat
+        return Translated(chat, dropped)
+
+    def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The chat request alone."""
+        return self.translate(body).chat
+
+    def count_tokens_request(self, body: dict[str, Any]) -> Translated:
+        """What `count_tokens` asks the engine's `/tokenize`: the prompt the request would be
+        (its messages and served tools, the generation prompt), and the tools left out."""
+        request: dict[str, Any] = {
+            "model": body.get("model"),
+            "messages": chat_messages(body),
+            "add_generation_prompt": True,
+        }
+        tools, dropped = chat_tools(body["tools"]) if body.get("tools") else ([], [])
+        if tools:
+            request["tools"] = tools
+        return Translated(request, dropped)
 
     def answer(self, chat: dict[str, Any], body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """A Messages response from the engine's chat answer."""

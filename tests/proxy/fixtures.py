@@ -122,6 +122,13 @@ async def start_proxy(database_url: str) -> AsyncIterator[ProxyFactory]:
 
 
 @pytest.fixture
+async def tool_engine() -> AsyncIterator[FakeEngine]:
+    """A fake engine that calls the first tool it is given, ending on its end-of-turn token."""
+    async with FakeEngine(call_tools=True, completion_tokens=6) as fake:
+        yield fake
+
+
+@pytest.fixture
 async def proxy(start_proxy: ProxyFactory, engine: FakeEngine) -> RunningProxy:
     """One proxy in front of one fake engine."""
     return await start_proxy([engine.url])

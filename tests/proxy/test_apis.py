@@ -6,7 +6,6 @@ other forms, errors in each API's shape, and failures recorded as chat's are.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anthropic
@@ -24,13 +23,6 @@ ADD = {
 }
 CLAUDE_TOOLS: Any = [{"name": "add", "description": "Add two numbers.", "input_schema": ADD}]
 RESPONSES_TOOLS: Any = [{"type": "function", "name": "add", "parameters": ADD}]
-
-
-@pytest.fixture
-async def tool_engine() -> AsyncIterator[FakeEngine]:
-    """A fake engine that calls the first tool it is given, ending on its end-of-turn token."""
-    async with FakeEngine(call_tools=True, completion_tokens=6) as fake:
-        yield fake
 
 
 @pytest.fixture
@@ -162,11 +154,13 @@ async def test_errors_come_in_each_apis_shape_before_and_after_the_engine(
     assert bad.status_code == 400
     assert bad.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in bad.json()["error"]["message"]
-    with pytest.raises(openai.BadRequestError) as hosted:
+    with pytest.raises(openai.BadRequestError) as malformed:
         await proxy.agent(session).responses.create(
-            model="tiny", input="hi", tools=[{"type": "web_search"}]
+            model="tiny",
+            input="hi",
+            tools=[{"type": "namespace", "tools": []}],  # type: ignore[list-item]
         )
-    assert "function tools" in str(hosted.value)
+    assert "tools.0: a namespace tool needs a 'name'" in str(malformed.value)
     # The engine's own refusal, passed on in the agent's API's shape and recorded.
     with pytest.raises(anthropic.BadRequestError) as engine:
         await claude(session, default_headers={"X-Fake-Fault": "error-400"}).messages.create(

@@ -79,8 +79,8 @@ async def test_continued_turns_extend_the_sampled_ids_and_make_one_sample(
     sources = [(t["prompt_source"], t["continuation"]) for t in recorded["turns"]]
     assert sources == [
         ("rendered", None),
-        ("continued", {"choice": 0, "drift_at": None}),
-        ("continued", {"choice": 0, "drift_at": None}),
+        ("continued", {"choice": 0, "drift_at": None}),  # the lineage's first: audited
+        ("continued", {"choice": 0}),  # checked at the cost of its new messages: no drift figure
     ]
     # The engine was sent exactly the ids it echoed.
     sent = [r.get("kv_transfer_params", {}).get("prompt_token_ids") for r in engine.requests]

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from trajstore.proxy.continuation import RENDERED, Plan, same_reply
-from trajstore.proxy.lineages import Turn
+from trajstore.proxy.continuation import RENDERED, Continuer, Plan, same_reply
+from trajstore.proxy.lineages import Chain, Turn
 
 GIVEN: dict[str, Any] = {
     "role": "assistant",
@@ -83,3 +83,17 @@ def test_what_a_turn_records_of_how_its_prompt_was_sent() -> None:
         "prompt_source": "continued",
         "continuation": {"choice": 0},
     }
+
+
+def test_audits_come_at_geometric_lengths_once_enough_turns_were_continued() -> None:
+    continuer = Continuer(audit_every=4, audit_growth=0.5)
+    turn = Turn("r1", 1000, 1, 10, b"", b"", ())
+    turn.chain = Chain([turn])
+    assert continuer._audit_due(turn)  # the lineage's first continued turn
+    turn.chain.audited_at, turn.chain.since_audit = 1000, 3
+    assert not continuer._audit_due(turn)  # four turns, but the conversation has not grown
+    turn.prompt_len = 1500
+    assert continuer._audit_due(turn)
+    turn.chain.since_audit = 1
+    assert not continuer._audit_due(turn)  # grown, but too few turns since
+    assert not Continuer(audit_every=0)._audit_due(turn)  # never

@@ -114,7 +114,8 @@ async def samples_of(database_url: str, session_id: str) -> tuple[list[Sample], 
 async def test_an_agent_session_is_one_token_exact_sample(
     start_proxy: ProxyFactory, vllm: str, database_url: str, template: str | None
 ) -> None:
-    proxy = await start_proxy([vllm])
+    # Every continued turn audited, so that the drift avoided is measured on each.
+    proxy = await start_proxy([vllm], continuation_audit_every=1, continuation_audit_growth=0)
     session_id, received = await run_agent(proxy, template)
     samples, turns = await samples_of(database_url, session_id)
 

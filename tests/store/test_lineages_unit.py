@@ -44,21 +44,30 @@ class Recorder:
         self.session.rewards = [{"value": 1.0}]
         self.states: dict[str, bytes] = {}
 
-    def call(self, prompt: list[int], completion: list[int], continues: str | None = None) -> str:
+    def call(
+        self,
+        prompt: list[int],
+        completion: list[int],
+        continues: str | None = None,
+        messages: list[Any] | None = None,
+    ) -> str:
         n = len(self.session.turns)
         request_id = f"t{n}"
         packed = encode_token_ids(prompt)
-        turn = TurnRecord(request_id, "chat", {}, "e", "0", None, False, {}, packed)
+        body = {} if messages is None else {"messages": messages}
+        turn = TurnRecord(request_id, "chat", body, "e", "0", None, False, {}, packed)
         turn.status = "completed"
         turn.received_at, turn.latency_s = float(n), 0.5
         ids = encode_token_ids(completion)
-        turn.choices[0] = ChoiceRecord(0, ids, bytes(len(ids)), finish_reason="stop")  # type: ignore[arg-type]
+        reply = {"role": "assistant", "content": f"reply {n}"}
+        turn.choices[0] = ChoiceRecord(0, ids, bytes(len(ids)), finish_reason="stop", message=reply)  # type: ignore[arg-type]
         prefix = None
         if self.by_reference and continues is not None:
             shared = shared_prefix(packed, self.states[continues])
             prefix = {"request_id": continues, "n_tokens": shared}
             turn.prompt_prefix, turn.prompt_added = prefix, packed[4 * shared :]
         self.session.prompts.add(request_id, turn.prompt_added, prefix)
+        self.session.messages.add(request_id, messages, None)
         self.session.prompts.completed(request_id, encode_token_ids(completion))
         turn.session = self.session
         self.session.packed = True
@@ -229,3 +238,56 @@ def _ids(packed: bytes) -> list[int]:
 
     values: Any = np.frombuffer(packed, "<i4").tolist()
     return list(values)
+
+
+def test_the_same_messages_with_other_tokens_are_the_same_conversation(recorder: Recorder) -> None:
+    """A history rendered again from text (after a fallback, or by a thinking template that
+    drops earlier reasoning) re-tokenises the first reply: the messages say it is the same
+    conversation, so it is a divergence of it, not a new one."""
+    system, task = text(100), text(20)
+    said = [{"role": "system", "content": "s"}, {"role": "user", "content": "t"}]
+    reply = [*text(12), EOS]
+    first = recorder.call(chat(system, task), reply, messages=said)
+    again = [*said, {"role": "assistant", "content": "reply 0"}, {"role": "user", "content": "u"}]
+    rendered = [*chat(system, task)[:-1], 77, *reply[1:], 3, *chat(text(9))]  # re-tokenised
+    recorder.call(rendered, [*text(5), EOS], first, messages=again)
+    # The next turn sends the reply it got back edited: rewritten, not re-rendered.
+    edited = [*again, {"role": "assistant", "content": "edited"}, {"role": "user", "content": "v"}]
+    recorder.call([*rendered[:-3], 88, *chat(text(4))], [*text(5), EOS], messages=edited)
+    samples = build_samples(recorder.session)
+    assert [(s.lineage, s.branch) for s in samples] == [(0, 0), (0, 1), (0, 2)]
+    reasons = [s.divergence.reason for s in samples if s.divergence is not None]
+    assert reasons == ["template_not_append_only", "history_rewritten"]
+
+
+def test_a_summary_asked_in_a_call_of_its_own_then_used_is_compaction(recorder: Recorder) -> None:
+    """The summary comes from a call with a summariser's system prompt over the history; the
+    loop then starts over from it under its own system prompt: compacted, in the loop."""
+    system = text(150)
+    prompt, reply = chat(system, text(40)), [*text(40), EOS]
+    last = recorder.call(prompt, reply)
+    prompt, reply = [*prompt, *reply, 3, *chat(text(300))], [*text(40), EOS]
+    last = recorder.call(prompt, reply, last)
+    summary = [*text(60), EOS]
+    recorder.call(chat(text(30), [*text(5), *reply[:-1], *text(300)]), summary)  # the summariser
+    recorder.call(chat(system, [*text(5), *summary[:-1]]), [*text(10), EOS])
+    samples = build_samples(recorder.session)
+    assert [(s.lineage, s.branch, s.role) for s in samples] == [
+        (0, 0, "main"), (0, 1, "main"), (1, 0, "side"),
+    ]  # fmt: skip
+    assert samples[1].divergence is not None and samples[1].divergence.reason == "compacted"
+    assert samples[1].is_final
+
+
+def test_a_call_over_a_conversations_history_under_its_own_prompt_is_a_side_call(
+    recorder: Recorder,
+) -> None:
+    """Qwen Code's memory extraction: another system prompt, the history as text, a question."""
+    system = text(200)
+    prompt, reply = chat(system, text(40)), [*text(30), EOS]
+    recorder.call(prompt, reply)
+    recorder.call(chat(text(50), [*text(40), *reply[:-1]], text(10)), [*text(8), EOS])
+    forest = assign(recorder.session)
+    assert [(lin.turns, lin.role, lin.parent, lin.fork_at) for lin in forest.lineages] == [
+        ([0], "main", None, None), ([1], "side", 0, 0),
+    ]  # fmt: skip

@@ -84,14 +84,14 @@ def test_a_length_cut_completion_is_followed_by_the_templates_glue() -> None:
 
 
 def test_a_rewritten_history_starts_a_branch_and_says_where_and_why() -> None:
-    reply = list(range(100, 116))
-    t1 = turn([1, 10, 11], reply)
-    t2 = turn([1, 10, 99, *reply, 30], [40])  # an earlier message changed, the reply kept
+    system, reply = list(range(200, 220)), list(range(100, 116))
+    t1 = turn([1, *system, 11], reply)
+    t2 = turn([1, *system, 99, *reply, 30], [40])  # a message changed, the reply kept
     first, second = build_samples(session(t1, t2))
     assert (second.lineage, second.branch) == (0, 1)
-    assert second.token_ids == [1, 10, 99, *reply, 30, 40]
+    assert second.token_ids == [1, *system, 99, *reply, 30, 40]
     assert second.divergence is not None
-    assert second.divergence.as_json() == {"turn": 1, "position": 2, "reason": "history_rewritten"}
+    assert second.divergence.as_json() == {"turn": 1, "position": 21, "reason": "history_rewritten"}
     assert not first.is_final and second.is_final
 
 

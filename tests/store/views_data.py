@@ -9,9 +9,9 @@ Turns read: prompt -> completion, finish reason, engine, policy version, time to
     s2  run r1, task A, completed, reward 0.0 then corrected to 0.5
         [1,11] -> [21,22] length e2 2 0.5
     s3  run r1, task B, completed, reward 1.0
-        [1,12] -> [23,50..59,2] stop e2 2 0.4
-        [1,99,23,50..59,2,31] -> [41,2] stop e2 2 0.6 (the history was rewritten: the first
-        message edited, the reply kept; store.lineages)
+        [1,100..119,12] -> [23,50..59,2] stop e2 2 0.4
+        [1,100..119,99,23,50..59,2,31] -> [41,2] stop e2 2 0.6 (the history was rewritten: a
+        message edited after the 20-token system prompt, the reply kept; store.lineages)
     s4  run r1, task B, timeout, no reward
         [1,13] -> [24,2] stop e1 1 0.3
         a request that failed
@@ -29,6 +29,7 @@ from typing import Any
 from trajstore.store import EventStore, EventType, NewEvent, request_stream, session_stream
 
 REPLY = list(range(50, 60))  # s3's first reply: long enough to be recognised when kept
+SYSTEM = list(range(100, 120))  # s3's system prompt: the rewrite shares it
 TOOL_CALL = {
     "id": "call-1",
     "type": "function",
@@ -129,8 +130,8 @@ async def record_all(store: EventStore) -> None:
     await record(
         store, "s3", "r1", "B",
         [
-            Turn([1, 12], [23, *REPLY, 2], engine="e2", policy="2", ttft=0.4),
-            Turn([1, 99, 23, *REPLY, 2, 31], [41, 2], engine="e2", policy="2", ttft=0.6),
+            Turn([1, *SYSTEM, 12], [23, *REPLY, 2], engine="e2", policy="2", ttft=0.4),
+            Turn([1, *SYSTEM, 99, 23, *REPLY, 2, 31], [41, 2], engine="e2", policy="2", ttft=0.6),
         ],
         rewards=(1.0,),
     )  # fmt: skip

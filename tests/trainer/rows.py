@@ -14,7 +14,6 @@ from typing import Any
 import asyncpg
 import numpy as np
 
-from trajstore.store.samples import PROJECTION_VERSION
 from trajstore.store.sessions import ChoiceRecord, SessionRecord, TurnRecord
 from trajstore.store.tokens import encode_logprobs, encode_token_ids
 
@@ -33,7 +32,7 @@ def sample_row(
     tags: Sequence[str] = (),
     finished_at: datetime | None = datetime(2026, 1, 1, tzinfo=UTC),
     policy_versions: Sequence[int] = (0,),
-    projection_version: int = PROJECTION_VERSION,
+    projection_version: int = 1,  # the version the projector serves first
     sample_id: uuid.UUID | None = None,
 ) -> dict[str, Any]:
     """One sample's columns; logprobs of the completion are -0.1, -0.2, ... (0 on the prompt)."""
@@ -86,11 +85,12 @@ def completed_turn(prompt: list[int], completion: list[int], index: int) -> Turn
 
 
 def branched_session(eos: int) -> SessionRecord:
-    """Three turns, two branches: turn 1 extends turn 0, turn 2 rewrote the history."""
+    """Three turns, two branches of one conversation: turn 1 extends turn 0, turn 2 cut the
+    history back to turn 0's prompt (`store.lineages`: history_truncated)."""
     session = SessionRecord("s", run_id="r", status="completed")
     session.turns = [
         completed_turn([1, 10], [20, eos], 0),
         completed_turn([1, 10, 20, eos, 30], [40, eos], 1),
-        completed_turn([1, 11], [50, 51, eos], 2),
+        completed_turn([1, 10], [50, 51, eos], 2),
     ]
     return session

@@ -264,7 +264,7 @@ def test_a_session_with_branches_gives_trl_its_last_branch() -> None:
     samples = build_samples(branched_session(EOS))
     assert len(samples) == 2
     fields = trl_fields(final_branch(samples))  # type: ignore[arg-type]
-    assert (fields.prompt_ids, fields.completion_ids) == ([1, 11], [50, 51, EOS])
+    assert (fields.prompt_ids, fields.completion_ids) == ([1, 10], [50, 51, EOS])
     assert fields.env_mask == [1, 1, 1] and fields.logprobs == [-0.5] * 3
     first = trl_fields(samples[0])
     assert first.completion_ids == [20, EOS, 30, 40, EOS] and first.env_mask == [1, 1, 0, 1, 1]

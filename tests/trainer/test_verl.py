@@ -411,7 +411,7 @@ async def verl_policy_loss_is_finite(batch: DataProto, model_path: Path) -> None
 def test_a_session_with_branches_gives_verl_its_final_branch_and_counts_the_others() -> None:
     eos = 2
     fields = output_fields(branched_session(eos))
-    assert (fields["prompt_ids"], fields["response_ids"]) == ([1, 11], [50, 51, eos])
+    assert (fields["prompt_ids"], fields["response_ids"]) == ([1, 10], [50, 51, eos])
     assert fields["response_mask"] == [1, 1, 1]
     assert fields["extra_fields"]["trajstore_branches"] == 2
     divergence = fields["extra_fields"]["trajstore_divergence"]
