@@ -55,12 +55,6 @@ HARNESSES = (
 )
 BY_NAME = {h.name: h for h in HARNESSES}
 
-# Until the proxy serves Codex's `namespace` tool and hosted `web_search` (issue 30, items 1-2,
-# branch issue-30-apis), Codex 0.169 is refused on its first call with the README's config
-# alone. WORKAROUND, to drop when that lands: these two settings, written to the run's
-# $CODEX_HOME/config.toml (the README's command itself is unchanged).
-CODEX_WORKAROUND = 'web_search = "disabled"\n\n[features]\nmulti_agent = false\n'
-
 
 def cache_dir() -> Path:
     """Where the CLIs are installed: `$TRAJSTORE_AGENTS_CACHE`, else `.cache/agents`."""
@@ -101,12 +95,9 @@ def readme_command(name: str, readme: str | None = None) -> str:
     return found[1]
 
 
-def prepare_home(harness: Harness, home: Path) -> None:
-    """The CLI's own HOME: empty, but for the Codex workaround above."""
+def prepare_home(home: Path) -> None:
+    """The CLI's own HOME: empty (no config or login of the machine's user)."""
     home.mkdir(parents=True, exist_ok=True)
-    if harness.name == "codex" and CODEX_WORKAROUND:
-        (home / ".codex").mkdir(exist_ok=True)
-        (home / ".codex" / "config.toml").write_text(CODEX_WORKAROUND)
 
 
 # The CLIs' own settings and keys, which the machine's environment may hold: left out.

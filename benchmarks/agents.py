@@ -50,7 +50,6 @@ from agent_capture import (
 from agent_capture import write_fixture as write_fixture_file
 from agent_harnesses import (
     BY_NAME,
-    CODEX_WORKAROUND,
     HARNESSES,
     Harness,
     cache_dir,
@@ -162,7 +161,7 @@ async def run_one(
         session = await answer.json()
     home, workdir = SCRATCH / "home" / harness.name, SCRATCH / "project"
     shutil.rmtree(home, ignore_errors=True)
-    prepare_home(harness, home)
+    prepare_home(home)
     engine.capture.take()  # a clean slate and clock
     loop = asyncio.get_running_loop()
     began = loop.time()
@@ -234,9 +233,6 @@ async def main(args: argparse.Namespace) -> int:
     for harness in harnesses:
         print(f"installing {harness.package}@{harness.version} into {cache}", flush=True)
         bins[harness.name] = await asyncio.to_thread(install, harness, cache)
-    if CODEX_WORKAROUND and BY_NAME["codex"] in harnesses:
-        print("codex: WORKAROUND in its CODEX_HOME until the proxy serves its tools: "
-              + CODEX_WORKAROUND.replace("\n", " "))  # fmt: skip
     workdir = SCRATCH / "project"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import httpx
 import pytest
 
 from tests.harness_fixtures import ReplayEngine, fixture_names, load_fixture, replay, send
@@ -97,7 +98,9 @@ async def test_a_real_harness_first_prompt_fits_the_engine_and_is_recorded_token
     limit = "max_output_tokens" if first["api"] == "responses" else "max_tokens"
     proxy = await start_proxy([vllm])
     session = await proxy.new_session(task_id=name)
-    answer = await send(proxy.http, session, first, {**first["body"], limit: 16})
+    # The CPU reads 49 k tokens in about 10 s alone, several times that beside other work.
+    async with httpx.AsyncClient(timeout=300) as http:
+        answer = await send(http, session, first, {**first["body"], limit: 16})
     assert answer.status == 200, answer.body[:500]
     [turn] = (await proxy.session_record(session["session_id"]))["turns"]
     live = first["recorded"]["prompt_token_ids"]
