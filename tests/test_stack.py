@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ from tests.proxy.fake_engine import FakeEngine
 from trajstore.stack import cached_tiny_model
 from trajstore.store import EventStore, EventType
 from trajstore.store.embedded import EmbeddedPostgres
+from trajstore.tiny_model import build_tiny_model
 
 
 @dataclass
@@ -272,3 +274,15 @@ async def test_up_without_an_engine_serves_a_local_vllm(database_url: str, tmp_p
     vllm_port = int(up.banner["engines"].split()[0].rsplit(":", 1)[1])
     assert not listening(vllm_port)
     assert _processes_mentioning(str(model_dir)) == []  # every vLLM process is gone
+
+
+def test_a_tiny_model_cached_before_agents_contexts_is_rebuilt_with_the_same_weights(
+    tmp_path: Path,
+) -> None:
+    old = build_tiny_model(tmp_path / "tiny-model", max_positions=4096)  # as `up` cached it
+    weights = (old / "model.safetensors").read_bytes()
+    model = cached_tiny_model(tmp_path)
+    assert model == old
+    # Real agent CLIs' 18-49 k-token prompts fit now, and rotary positions have no weights.
+    assert json.loads((model / "config.json").read_text())["max_position_embeddings"] >= 100_000
+    assert (model / "model.safetensors").read_bytes() == weights

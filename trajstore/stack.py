@@ -18,6 +18,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import shutil
 import signal
 import tempfile
 import urllib.error
@@ -55,11 +56,15 @@ def cached_tiny_model(data_dir: Path) -> Path:
     It is written to a temporary directory beside it and renamed into place, so an interrupted
     build never leaves a half model that a later `up` would try to serve.
     """
-    from trajstore.tiny_model import build_tiny_model
+    from trajstore.tiny_model import MAX_POSITIONS, build_tiny_model
 
     model_dir = data_dir / "tiny-model"
-    if (model_dir / "config.json").is_file():
-        return model_dir
+    config = model_dir / "config.json"
+    if config.is_file():
+        # One built before the model allowed agents' contexts is built again (same weights).
+        if json.loads(config.read_text()).get("max_position_embeddings", 0) >= MAX_POSITIONS:
+            return model_dir
+        shutil.rmtree(model_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=data_dir, prefix=".tiny-model-") as scratch:
         built = build_tiny_model(Path(scratch) / "model")

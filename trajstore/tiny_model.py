@@ -37,7 +37,10 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, TOOL_CALL_START, TOOL_CALL_END)
 # vLLM pads vocabularies for its kernels; keeping the embedding a multiple of 64 matches what
 # real checkpoints ship and lets the tokenizer's vocabulary grow later without new shapes.
 VOCAB_MULTIPLE = 64
-MAX_POSITIONS = 4096
+# Rotary positions have no weights: the same seed gives the same weights whatever this says,
+# and vLLM serves any context up to it (--max-model-len). Real agent CLIs open with 18-49 k-token
+# prompts on this 512-token vocabulary, so the model allows far more than the tests need.
+MAX_POSITIONS = 131_072
 NUM_HEADS = 4
 # vLLM's CPU attention has kernels only for some head sizes (32, 64, 80, ..., 256, 512) and
 # computes Qwen2's head size as hidden_size / heads, ignoring any `head_dim` in the config.
@@ -158,7 +161,12 @@ def _toy_corpus(rng: random.Random, count: int) -> Iterator[str]:
 
 
 def build_tiny_model(
-    out_dir: Path, *, seed: int = 0, vocab_size: int = 512, hidden_size: int = 128
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    max_positions: int = MAX_POSITIONS,
 ) -> Path:
     """Write a tiny random chat model (tokenizer, config, safetensors weights) to `out_dir`.
 
@@ -171,6 +179,7 @@ def build_tiny_model(
     The model's embedding is padded up to a multiple of 64, so it may hold a few ids that no
     token has. `hidden_size` must be a multiple of 128: with 4 attention heads that gives a head
     size vLLM's CPU attention has kernels for (a head size of 16 fails at the first request).
+    `max_positions` bounds the context vLLM may serve; the weights do not depend on it.
     """
     # Heavy imports stay here: `import proxy` must work in an environment without torch.
     import torch
@@ -225,7 +234,7 @@ def build_tiny_model(
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
         additional_special_tokens=[IM_START, TOOL_CALL_START, TOOL_CALL_END],
-        model_max_length=MAX_POSITIONS,
+        model_max_length=max_positions,
         chat_template=CHAT_TEMPLATE,
     )
     tokenizer.save_pretrained(out_dir)
@@ -241,7 +250,7 @@ def build_tiny_model(
         num_hidden_layers=2,
         num_attention_heads=NUM_HEADS,
         num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         # Qwen2 has no BOS in its prompts; like Qwen's own configs, BOS names <|endoftext|>.
         bos_token_id=SPECIAL_TOKENS.index(ENDOFTEXT),
@@ -301,10 +310,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--max-positions", type=int, default=MAX_POSITIONS)
     args = parser.parse_args(argv)
     path = build_tiny_model(
-        args.out_dir, seed=args.seed, vocab_size=args.vocab_size, hidden_size=args.hidden_size
-    )
+        args.out_dir, seed=args.seed, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+        max_positions=args.max_positions,
+    )  # fmt: skip
     print(path)
 
 

@@ -38,6 +38,7 @@ import re
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -187,11 +188,17 @@ def _completion_logprobs(ids: list[int], pos: int, offset: int, k: int) -> JSON:
     }
 
 
-def _tool_call(tool: JSON, ids: list[int]) -> JSON:
-    """A call of `tool` whose arguments follow from the sampled ids (spaced as vLLM's are)."""
-    arguments = {"a": ids[0] % 10, "b": ids[-1] % 10}
-    name = (tool.get("function") or {}).get("name")
-    function = {"name": name, "arguments": orjson.dumps(arguments).decode().replace(":", ": ")}
+def _tool_call(function: JSON, ids: list[int]) -> JSON:
+    """A call of `function["name"]` with its `arguments` (an object, or its text as is), or when
+    None with arguments that follow from the sampled ids (spaced as vLLM's are)."""
+    arguments = function.get("arguments")
+    if arguments is None:
+        arguments = {"a": ids[0] % 10, "b": ids[-1] % 10}
+    if isinstance(arguments, str):
+        text = arguments
+    else:
+        text = orjson.dumps(arguments).decode().replace('":', '": ')
+    function = {"name": function.get("name"), "arguments": text}
     return {"id": f"chatcmpl-tool-{ids[0]}", "type": "function", "function": function}
 
 
@@ -233,6 +240,8 @@ class FakeEngine:
         vision: bool = False,
         model_root: str | None = None,
         detokenize: bool = False,
+        max_model_len: int = MAX_MODEL_LEN,
+        tool_policy: Callable[[JSON], JSON | None] | None = None,
     ) -> None:
         self.model_name = model_name
         self.completion_tokens = completion_tokens  # caps max_tokens; below it the answer stops
@@ -247,6 +256,12 @@ class FakeEngine:
         # parser gives it: no content, the call streamed as its name then its arguments in
         # pieces, finish_reason tool_calls.
         self.call_tools = call_tools
+        # With call_tools: given the chat request, the function to call ({"name", "arguments"}),
+        # or None for a text answer; unset, the first tool with made-up arguments. Real agent
+        # CLIs (benchmarks/agents.py) need calls their tools accept, and an end.
+        self.tool_policy = tool_policy
+        # Only reported (/v1/models, /tokenize): real agent CLIs size their context by it.
+        self.max_model_len = max_model_len
         self.vision = vision  # image parts become placeholder ids (see chat_prompt_ids)
         self.model_root = model_root  # /v1/models' root (see the module docstring)
         self.detokenize = detokenize
@@ -302,7 +317,7 @@ class FakeEngine:
     async def _models(self, request: web.Request) -> web.Response:
         card = {"id": self.model_name, "object": "model", "created": int(time.time())}
         card |= {"owned_by": "vllm", "root": self.model_root or self.model_name, "parent": None}
-        card |= {"max_model_len": MAX_MODEL_LEN, "permission": []}
+        card |= {"max_model_len": self.max_model_len, "permission": []}
         return web.json_response({"object": "list", "data": [card]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
@@ -312,7 +327,7 @@ class FakeEngine:
         ids = chat_prompt_ids(
             body["messages"], generation, rewrite_replies=self.rewrite_replies, vision=self.vision
         )
-        answer = {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
+        answer = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
     async def _detokenize(self, request: web.Request) -> web.Response:
@@ -397,6 +412,15 @@ class FakeEngine:
             ids[-1] = EOS
         return ids, "stop"
 
+    def _function_to_call(self, body: JSON) -> JSON | None:
+        """The function a chat answer calls (`tool_policy`), or None for a text answer."""
+        if not (self.call_tools and body.get("tools")):
+            return None
+        if self.tool_policy is not None:
+            return self.tool_policy(body)
+        first: JSON = body["tools"][0].get("function") or {}
+        return {"name": first.get("name"), "arguments": None}
+
     def _render(self, api: str, body: JSON) -> Payload:
         """The answer as JSON bytes, or as the SSE lines of a stream."""
         chat = api == "chat"
@@ -428,9 +452,10 @@ class FakeEngine:
             return _completion_logprobs(part, pos, sum(len(_content(t)) for t in ids[:pos]), k)
 
         call = None
-        if chat and self.call_tools and body.get("tools"):
+        function = self._function_to_call(body) if chat else None
+        if function is not None:
             choices = [(ids, "tool_calls") for ids, _ in choices]
-            call = _tool_call(body["tools"][0], choices[0][0])
+            call = _tool_call(function, choices[0][0])
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]

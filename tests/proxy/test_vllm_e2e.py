@@ -18,6 +18,7 @@ from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
 from trajstore.store import EventStore
 from trajstore.store.projection import Projector
+from trajstore.vllm_server import AGENT_CONTEXT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -212,7 +213,7 @@ async def test_vllm_refusal_is_passed_on(proxy: RunningProxy) -> None:
         response = await http.post(
             f"{session['base_url']}/chat/completions",
             json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                  "max_tokens": 100_000},
+                  "max_tokens": AGENT_CONTEXT + 1},  # more than the context holds
             headers={"Authorization": f"Bearer {session['api_key']}"},
         )  # fmt: skip
     assert response.status_code == 400
