@@ -107,3 +107,35 @@ async def test_a_real_harness_first_prompt_fits_the_engine_and_is_recorded_token
     assert len(live) > 15_000
     assert turn["prompt_token_ids"] == live  # the same tokenizer and template as live
     assert 0 < len(turn["choices"][0]["token_ids"]) <= 16
+
+
+#: Each harness's conversations as docs/agents.md describes them: the turns (in request order)
+#: of each lineage, the main loop first.
+LINEAGES = {
+    "codex": [[0, 1, 2, 4], [3]],  # the main loop; a spawn_agent sub-agent's one call
+    "claude-code": [[0, 1, 2, 3, 7], [4, 5, 6]],  # the main loop; the background Agent
+    "opencode": [[1, 2, 3, 7], [0], [4, 5, 6]],  # main; the title call; the task sub-agent
+    "qwen-code": [[0, 1, 2, 3, 7], [4, 5, 6]],  # main; the background agent
+    "mini-swe-agent": [[0, 1, 2]],
+}
+
+
+@pytest.mark.parametrize("name", sorted(LINEAGES))
+async def test_a_harness_sequence_is_one_lineage_per_conversation(
+    name: str, start_proxy: ProxyFactory, database_url: str
+) -> None:
+    """Sub-agents, title calls and the main loop of real CLIs, interleaved as they sent them:
+    each conversation one lineage with no divergence, and the main loop the default sample."""
+    fixture = load_fixture(name)
+    async with ReplayEngine() as engine:
+        proxy = await start_proxy([engine.url])
+        session = await proxy.new_session(task_id=name)
+        await replay(fixture, session, engine, proxy.http)
+        samples = await proxy.finished_samples(database_url, session["session_id"])
+    main, *others = LINEAGES[name]
+    assert sorted(s.turns for s in samples) == sorted(LINEAGES[name])
+    assert all(s.divergence is None for s in samples)
+    default = next(s for s in samples if s.is_final)
+    assert default.turns == main and default.role == "main"
+    assert {s.role for s in samples if s.turns != main} <= {"subagent", "side"}
+    assert len(others) == len(samples) - 1

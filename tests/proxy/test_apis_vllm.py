@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
-from tests.proxy.fixtures import ProxyFactory, RunningProxy
+from tests.proxy.fixtures import ProxyFactory, RunningProxy, made_whole
 from trajstore.store import EventStore
 from trajstore.store.samples import build_samples
 from trajstore.store.sessions import rebuild_session
@@ -54,7 +54,7 @@ def claude(proxy: RunningProxy, session: dict[str, Any]) -> anthropic.AsyncAnthr
 async def recorded(proxy: RunningProxy, session_id: str) -> dict[str, Any]:
     response = await proxy.http.get(f"{proxy.url}/sessions/{session_id}")
     assert response.status_code == 200, response.text
-    result: dict[str, Any] = response.json()
+    result: dict[str, Any] = made_whole(response.json())  # each turn's whole prompt too
     return result
 
 

@@ -15,7 +15,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from tests.proxy.fake_engine import FakeEngine
-from tests.proxy.fixtures import ProxyFactory, RunningProxy
+from tests.proxy.fixtures import ProxyFactory, RunningProxy, made_whole
 from trajstore.store import EventStore
 from trajstore.store.projection import Projector
 from trajstore.vllm_server import AGENT_CONTEXT
@@ -52,7 +52,7 @@ def direct_client(vllm: str) -> AsyncOpenAI:
 async def session_record(proxy: RunningProxy, session_id: str) -> dict[str, Any]:
     response = await proxy.http.get(f"{proxy.url}/sessions/{session_id}")
     assert response.status_code == 200
-    record: dict[str, Any] = response.json()
+    record: dict[str, Any] = made_whole(response.json())  # each turn's whole prompt too
     return record
 
 
