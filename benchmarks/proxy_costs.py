@@ -114,6 +114,7 @@ def stages(repeat: int) -> list[tuple[str, str, float]]:
     data = orjson.loads(whole)
     reply = Reply(request.asked, None, request.body, "q")
     reply.answer(data)  # stripped in place once: later calls serialise the same answer
+    usage = data.get("usage")
 
     def relay_stream() -> None:
         rec = recorder()
@@ -132,26 +133,33 @@ def stages(repeat: int) -> list[tuple[str, str, float]]:
         relay.recorder.record = lambda extracted: None  # type: ignore[method-assign]
         relay._relayed(payloads)
 
+    extracted = extract_stream("chat", chunks)
+
     def record_read() -> None:
         rec = recorder()
-        rec.record(extract_stream("chat", chunks))
+        rec.record(extracted)
         run(rec.drain())
 
+    def t(call: Callable[[], Any]) -> float:
+        return least(call, repeat)
+
+    loads = t(lambda: orjson.loads(joined))
+    engine_json = lambda: orjson.dumps(engine_body("chat", request.chat))  # noqa: E731
     out: list[tuple[str, str, float]] = [
-        ("request", "routing and the key check", least(route_and_auth, repeat)),
-        ("request", "the body parsed and checked", least(lambda: as_chat("chat", raw), repeat)),
-        ("request", "request_received: built, encoded, queued", least(lambda: received(recorder()), repeat)),
-        ("request", "the engine's body", least(lambda: orjson.dumps(engine_body("chat", request.chat)), repeat)),
-        ("request", "the answer parsed", least(lambda: orjson.loads(whole), repeat)),
-        ("request", "the answer recorded (prompt, chunk, finished)", least(record_whole, repeat)),
-        ("request", "the agent's answer (stripped, serialised)", least(lambda: reply.answer(data), repeat)),
-        ("request", "metrics", least(lambda: forwarder._observe("chat", recorder(), data.get("usage")), repeat)),
-        ("stream", f"the whole stream relayed and recorded ({n} events, one read)", least(relay_stream, repeat)),
-        ("event", "parsed (one orjson.loads per read)", least(lambda: orjson.loads(joined), repeat) / n),
-        ("event", "token ids, logprobs, text taken out (extract_stream)", least(lambda: extract_stream("chat", chunks), repeat) / n),
-        ("event", "recorded (chunk events built, encoded, queued)", (least(record_read, repeat) - least(lambda: extract_stream("chat", chunks), repeat)) / n),
-        ("event", "stripped and serialised for the agent", (least(strip_and_serialise, repeat) - least(lambda: orjson.loads(joined), repeat)) / n),
-    ]  # fmt: skip
+        ("request", "routing and the key check", t(route_and_auth)),
+        ("request", "the body parsed and checked", t(lambda: as_chat("chat", raw))),
+        ("request", "request_received: built, encoded, queued", t(lambda: received(recorder()))),
+        ("request", "the engine's body", t(engine_json)),
+        ("request", "the answer parsed", t(lambda: orjson.loads(whole))),
+        ("request", "the answer recorded (prompt, chunk, finished)", t(record_whole)),
+        ("request", "the agent's answer (stripped, serialised)", t(lambda: reply.answer(data))),
+        ("request", "metrics", t(lambda: forwarder._observe("chat", recorder(), usage))),
+        ("stream", f"the whole stream relayed and recorded ({n} events)", t(relay_stream)),
+        ("event", "parsed (one orjson.loads per read)", loads / n),
+        ("event", "ids, logprobs, text taken out", t(lambda: extract_stream("chat", chunks)) / n),
+        ("event", "recorded (prompt, chunk events built, encoded, queued)", t(record_read) / n),
+        ("event", "stripped and serialised for the agent", (t(strip_and_serialise) - loads) / n),
+    ]
     return out
 
 
