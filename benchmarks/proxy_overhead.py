@@ -73,6 +73,9 @@ from overhead_servers import (
     request_body,
     start_vllm,
 )
+from overhead_servers import Server as Server  # the other benchmarks import these from here
+from overhead_servers import cpu_seconds as cpu_seconds
+from overhead_servers import free_port as free_port
 
 from trajstore.store.connection import asyncpg_dsn
 from trajstore.store.embedded import database_url
