@@ -2,11 +2,12 @@
 
     python benchmarks/proxy_overhead.py [--quick] [--duration 4] [--runs 2] [--sessions-soak 1000]
                                         [--context-tokens 0] [--vllm] [--apis]
+                                        [--baseline DIR] [--floors]
 
-Starts four processes: the instant fake engine (tests/proxy/fake_engine.py, cached answers), the
-floor (benchmarks/passthrough.py: aiohttp relay, no recording) and `trajstore proxy` recording
-into a scratch database; "direct" is load straight to the engine. This process drives closed-loop
-load (C workers, each sending chat completions of max_tokens 64 back to back for a fixed time),
+Starts the instant fake engine (tests/proxy/fake_engine.py, cached answers), the floor
+(benchmarks/passthrough.py: aiohttp relay, no recording) and `trajstore proxy` recording into a
+scratch database; "direct" is load straight to the engine. This process drives closed-loop load
+(C workers, each sending chat completions of max_tokens 64 back to back for a fixed time),
 non-streaming and streaming, and reads each server's CPU time from /proc before and after: for
 trajstore also that of its PostgreSQL backends, after its writer has drained. Then every session
 is finished and the tokens stored are reconciled with the tokens the clients received, and a
@@ -19,491 +20,68 @@ With `--apis`, trajstore is also measured serving the same requests as Anthropic
 OpenAI Responses (translated to the engine's chat completions and back, `proxy.apis`), each on
 its own sessions, and their CPU per request is printed against chat's.
 
+`--baseline DIR` also serves another checkout's proxy (e.g. `git worktree add /tmp/base main`),
+"trajstore-baseline", recording into the same database, in the same rotation: before and after,
+same machine, same run. `--floors` adds the floor's pass-through served as a bare ASGI app by
+the proxy's own server ("floor-asgi": uvicorn, `proxy.server`), which tells the server's share
+of the proxy's cost from the proxy's own work.
+
 The database is TRAJSTORE_DATABASE_URL's server, else the embedded one; it needs the right to
 create databases. Prints medians over the runs, then the ratios the proxy is held to. Exits
-non-zero when a token is lost or the soak sees an error.
+non-zero when a token is lost or the soak sees an error. The servers and requests are in
+`overhead_servers.py`, the load and the sessions in `overhead_load.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import asyncpg
-import orjson
 import uvloop
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
+from overhead_load import (
+    DbBackends,
+    Load,
+    Route,
+    Sample,
+    Tally,
+    Target,
+    create_sessions,
+    finish_sessions,
+    new_client,
+    one_request,
+    percentile,
+    reconcile,
+)
+from overhead_servers import (
+    ENGINE_MAIN,
+    MAX_TOKENS,
+    MESSAGES,
+    ROOT,
+    Servers,
+    answer_sizes,
+    history,
+    proxy_argv,
+    request_body,
+    start_vllm,
+)
+from overhead_servers import Server as Server  # the other benchmarks import these from here
+from overhead_servers import cpu_seconds as cpu_seconds
+from overhead_servers import free_port as free_port
 
-from trajstore.proxy.wire import engine_body
 from trajstore.store.connection import asyncpg_dsn
 from trajstore.store.embedded import database_url
 
-ROOT = Path(__file__).resolve().parent.parent
-MAX_TOKENS = 64
-RUN_ID = "proxy-overhead"
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-#: Requests each worker sends before a measurement: connections open, caches warm.
-WARMUP_PER_WORKER = 2
-MESSAGES = [
-    {"role": "system", "content": "You are a careful coding agent. Answer with a patch."},
-    {"role": "user", "content": "The test in tests/test_io.py fails with a KeyError; fix it."},
-]
-
-
-def history(tokens: int) -> list[dict[str, str]]:
-    """An agent's earlier turns, about `tokens` tokens of them (four characters a token): tool
-    calls and their results, as a request deep into an episode carries them."""
-    turns: list[dict[str, str]] = []
-    line = "    assert parse(row)[key] == expected, (key, row)  # tests/test_io.py\n"
-    while sum(len(m["content"]) for m in turns) < 4 * tokens:
-        turns.append({"role": "assistant", "content": "Let me look at the failing test first."})
-        turns.append({"role": "tool", "content": line * 60})  # ~1,000 tokens of output
-    return turns
-
-
-#: The engine in its own process. FakeEngine keeps every request it saw, for tests; a benchmark
-#: would grow it by a hundred thousand dicts, so it keeps only the last one here.
-ENGINE_MAIN = """
-import sys
-import uvloop
-sys.path.insert(0, sys.argv[1])
-from tests.proxy.fake_engine import FakeEngine, serve_forever
-
-uvloop.run(serve_forever(FakeEngine(instant=True), int(sys.argv[2])))
-"""
-
-
-def request_body(stream: bool, *, usage: bool = False, api: str = "chat") -> bytes:
-    """A request as an agent sends it: no token ids or logprobs asked for.
-
-    With `usage`, a chat stream asks for the usage chunk: a real model's tokens do not each
-    carry text (a split UTF-8 character, the end-of-turn token), so counting text chunks
-    undercounts. The same conversation as Anthropic Messages or OpenAI Responses (`api`): the
-    system prompt as `system` / `instructions`, tool output as user turns.
-    """
-    system, rest = MESSAGES[0]["content"], MESSAGES[1:]
-    turns = [{"role": "user" if m["role"] == "tool" else m["role"], "content": m["content"]}
-             for m in rest]  # fmt: skip
-    body: dict[str, object]
-    if api == "messages":
-        body = {"model": "tiny", "system": system, "messages": turns, "max_tokens": MAX_TOKENS}
-    elif api == "responses":
-        body = {"model": "tiny", "instructions": system, "input": turns}
-        body["max_output_tokens"] = MAX_TOKENS
-    else:
-        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": MAX_TOKENS}
-        if stream and usage:
-            body["stream_options"] = {"include_usage": True}
-    body["stream"] = stream
-    return orjson.dumps(body)
-
-
-# -- processes ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of the processes and their waited-for children, from /proc/<pid>/stat."""
-    ticks = 0
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except FileNotFoundError:
-            continue  # a backend that ended since we listed it
-        fields = stat.rpartition(")")[2].split()  # the name may hold spaces; fields from 3 on
-        ticks += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
-    return ticks / CLOCK_TICKS
-
-
-@dataclass
-class Server:
-    """A process the benchmark started, and where it listens."""
-
-    name: str
-    process: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-
-class Servers:
-    """Starts the servers; `stop()` ends every one of them, whatever happened."""
-
-    def __init__(self) -> None:
-        self.started: list[Server] = []
-        self.logs = tempfile.TemporaryDirectory(prefix="proxy-overhead-")
-
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Server:
-        port = free_port()
-        argv = [a.replace("{port}", str(port)) for a in argv]
-        log = Path(self.logs.name) / f"{name}.log"
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )  # fmt: skip
-        server = Server(name, process, f"http://127.0.0.1:{port}", log)
-        self.started.append(server)
-        return server
-
-    async def wait_ready(self, server: Server, http: aiohttp.ClientSession, path: str) -> None:
-        """Until `path` answers 200; fail with the server's log if it exits or takes 60 s."""
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if server.process.poll() is not None:
-                break
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with http.get(server.url + path) as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.1)
-        raise RuntimeError(f"{server.name} did not come up; its log:\n{server.log_tail()}")
-
-    def stop(self) -> None:
-        for server in reversed(self.started):  # the proxies before the engine they drain into
-            if server.process.poll() is None:
-                server.process.send_signal(signal.SIGTERM)
-        for server in self.started:
-            try:
-                server.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                server.process.kill()
-                server.process.wait()
-        self.logs.cleanup()
-
-
-# -- load ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Route:
-    """Where one worker sends its requests, and as whom."""
-
-    url: str
-    headers: dict[str, str]
-    orchestrator: dict[str, str] = field(default_factory=dict)  # to finish the session
-
-
-@dataclass
-class Target:
-    """One way to reach the engine: direct, through the floor, or through trajstore."""
-
-    name: str
-    routes: list[Route]  # worker i uses routes[i % len(routes)]
-    pids: list[int]  # the server processes whose CPU time is charged to it
-    server: Server | None = None
-    received_tokens: int = 0  # completion tokens its clients were given, all measurements
-    asks_like_trajstore: bool = False  # send the engine what trajstore sends it (ids, logprobs)
-    api: str = "chat"  # the agent API its requests speak (chat | messages | responses)
-
-    def route(self, worker: int) -> Route:
-        return self.routes[worker % len(self.routes)]
-
-
-class RequestFailed(Exception):
-    """A request that did not end in a complete answer."""
-
-
-@dataclass
-class Tally:
-    """What the workers of one measurement saw."""
-
-    latencies: list[float] = field(default_factory=list)
-    ttfts: list[float] = field(default_factory=list)
-    tokens: int = 0
-    errors: Counter[str] = field(default_factory=Counter)
-
-
-def stream_event(api: str, data: dict[str, object]) -> tuple[int | None, bool, bool]:
-    """One event of a Messages or Responses stream: (exact output tokens if it says them,
-    whether it carried text, whether it ends the stream)."""
-    kind = data.get("type")
-    if kind == "error" or kind == "response.failed":
-        raise RequestFailed("error in stream")
-    if api == "messages":
-        usage = data.get("usage") if kind == "message_delta" else None
-        text = kind == "content_block_delta"
-        return (usage["output_tokens"] if usage else None), text, kind == "message_stop"  # type: ignore[index]
-    final = kind in ("response.completed", "response.incomplete")
-    tokens = data["response"]["usage"]["output_tokens"] if final else None  # type: ignore[index]
-    return tokens, kind == "response.output_text.delta", final
-
-
-async def one_request(
-    http: aiohttp.ClientSession,
-    route: Route,
-    stream: bool,
-    body: bytes,
-    tally: Tally,
-    api: str = "chat",
-) -> None:
-    """Send one request, read the whole answer, and tally latency, TTFT and tokens."""
-    started = time.perf_counter()
-    ttft: float | None = None
-    tokens = 0
-    try:
-        headers = {"Content-Type": "application/json", **route.headers}
-        async with http.post(route.url, data=body, headers=headers) as resp:
-            if resp.status != 200:
-                await resp.read()
-                raise RequestFailed(f"HTTP {resp.status}")
-            if not stream:
-                usage = orjson.loads(await resp.read())["usage"]
-                tokens = usage["completion_tokens" if api == "chat" else "output_tokens"]
-            elif api != "chat":
-                done = False
-                async for line in resp.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    exact, text, done = stream_event(api, orjson.loads(line[5:]))
-                    if text and ttft is None:
-                        ttft = time.perf_counter() - started
-                    if exact is not None:
-                        tokens = exact
-                if not done:
-                    raise RequestFailed("stream ended before its last event")
-            else:
-                done = False
-                async for line in resp.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        done = True
-                        continue
-                    chunk = orjson.loads(data)
-                    if "error" in chunk:
-                        raise RequestFailed("error in stream")
-                    if chunk.get("usage"):  # asked for with a real engine: exact counts
-                        tokens = chunk["usage"]["completion_tokens"]
-                    elif any((c.get("delta") or {}).get("content") for c in chunk["choices"]):
-                        tokens += 1
-                        if ttft is None:
-                            ttft = time.perf_counter() - started
-                if not done:
-                    raise RequestFailed("stream ended before [DONE]")
-    except (RequestFailed, aiohttp.ClientError, TimeoutError) as exc:
-        tally.errors[f"{type(exc).__name__}: {exc}"[:120]] += 1
-        return
-    tally.latencies.append(time.perf_counter() - started)
-    if ttft is not None:
-        tally.ttfts.append(ttft)
-    tally.tokens += tokens
-
-
-@dataclass
-class Sample:
-    """One measurement of one target at one mode and concurrency."""
-
-    requests: int
-    errors: int
-    seconds: float
-    latencies: list[float]
-    ttfts: list[float]
-    cpu: dict[str, float]  # CPU seconds spent during the measurement, by process group
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def new_client() -> aiohttp.ClientSession:
-    """A client with as many connections as there are workers."""
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)
-    )
-
-
-class Load:
-    """Closed-loop load from this process, with the CPU time of everyone involved."""
-
-    def __init__(
-        self,
-        http: aiohttp.ClientSession,
-        engine_pid: int,
-        db: DbBackends | None,
-        *,
-        usage: bool = False,
-    ):
-        self.http = http
-        self.engine_pid = engine_pid
-        self.db = db
-        self.usage = usage
-
-    async def measure(
-        self, target: Target, stream: bool, concurrency: int, seconds: float
-    ) -> Sample:
-        # A client of its own: a connection left idle by the previous measurement may be closed
-        # by the server (uvicorn's keep-alive is 5 s) just as it is reused, failing the request.
-        async with new_client() as http:
-            return await self._measure(http, target, stream, concurrency, seconds)
-
-    async def _measure(
-        self,
-        http: aiohttp.ClientSession,
-        target: Target,
-        stream: bool,
-        concurrency: int,
-        seconds: float,
-    ) -> Sample:
-        body = request_body(stream, usage=self.usage, api=target.api)
-        if target.asks_like_trajstore:
-            body = orjson.dumps(engine_body("chat", orjson.loads(body)))
-        warm = Tally()
-        await asyncio.gather(
-            *(
-                one_request(http, target.route(w), stream, body, warm, target.api)
-                for w in range(concurrency)
-                for _ in range(WARMUP_PER_WORKER)
-            )
-        )
-        await self._drain(target)
-        tally = Tally()
-        before = await self._cpu(target)
-        started = time.perf_counter()
-        deadline = started + seconds
-
-        async def worker(w: int) -> None:
-            route = target.route(w)
-            while time.perf_counter() < deadline:
-                await one_request(http, route, stream, body, tally, target.api)
-
-        await asyncio.gather(*(worker(w) for w in range(concurrency)))
-        elapsed = time.perf_counter() - started
-        await self._drain(target)  # the recording the requests caused is part of their cost
-        after = await self._cpu(target)
-        target.received_tokens += warm.tokens + tally.tokens
-        errors = tally.errors + warm.errors
-        for kind, count in errors.items():
-            print(f"  {target.name} {concurrency=} stream={stream}: {count} x {kind}")
-        return Sample(
-            requests=len(tally.latencies),
-            errors=sum(errors.values()),
-            seconds=elapsed,
-            latencies=tally.latencies,
-            ttfts=tally.ttfts,
-            cpu={k: after[k] - before[k] for k in before},
-        )
-
-    async def _cpu(self, target: Target) -> dict[str, float]:
-        times = os.times()
-        cpu = {
-            "target": cpu_seconds(target.pids),
-            "engine": cpu_seconds([self.engine_pid]),
-            "client": times.user + times.system,
-        }
-        if target.name.startswith("trajstore") and self.db is not None:
-            cpu["db"] = cpu_seconds(await self.db.pids())
-        return cpu
-
-    async def _drain(self, target: Target) -> None:
-        """Wait until trajstore's writer has stored everything it was given."""
-        if not target.name.startswith("trajstore") or target.server is None:
-            return
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            async with self.http.get(target.server.url + "/health") as resp:
-                if (await resp.json())["writer_pending"] == 0:
-                    return
-            await asyncio.sleep(0.02)
-        raise RuntimeError("trajstore's writer did not drain within 60 s")
-
-
-class DbBackends:
-    """The PostgreSQL backends serving one database (the proxy's pool), for their CPU time."""
-
-    def __init__(self, conn: asyncpg.Connection, database: str) -> None:
-        self.conn = conn
-        self.database = database
-
-    async def pids(self) -> list[int]:
-        rows = await self.conn.fetch(
-            "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
-            self.database,
-        )
-        return [row["pid"] for row in rows]
-
-    async def stored_tokens(self) -> int:
-        tokens: int = await self.conn.fetchval(
-            "SELECT coalesce(sum(length(token_ids) / 4), 0)::bigint FROM events "
-            "WHERE event_type = 'completion_chunk'"
-        )
-        return tokens
-
-
-# -- trajstore sessions -------------------------------------------------------------------------
-
-
-API_PATHS = {"chat": "/chat/completions", "messages": "/messages", "responses": "/responses"}
-
-
-async def create_sessions(
-    http: aiohttp.ClientSession, proxy_url: str, ids: list[str], api: str = "chat"
-) -> list[Route]:
-    """Create the sessions (32 at a time); the route of each is its own base URL and key."""
-    limit = asyncio.Semaphore(32)
-
-    async def create(session_id: str) -> Route:
-        async with limit:
-            body = {"run_id": RUN_ID, "session_id": session_id}
-            async with http.post(proxy_url + "/sessions", json=body) as resp:
-                if resp.status != 201:
-                    raise RuntimeError(f"POST /sessions: {resp.status} {await resp.text()}")
-                created = await resp.json()
-        headers = {"Authorization": f"Bearer {created['api_key']}"}
-        orchestrator = {"Authorization": f"Bearer {created['orchestrator_key']}"}
-        return Route(created["base_url"] + API_PATHS[api], headers, orchestrator)
-
-    return list(await asyncio.gather(*(create(i) for i in ids)))
-
-
-async def finish_sessions(http: aiohttp.ClientSession, routes: list[Route]) -> None:
-    """Finish every session (32 at a time): each makes its events durable first."""
-    limit = asyncio.Semaphore(32)
-
-    async def finish(route: Route) -> None:
-        url = route.url.rpartition("/v1/")[0] + "/finish"
-        async with (
-            limit,
-            http.post(url, json={"status": "completed"}, headers=route.orchestrator) as r,
-        ):
-            if r.status != 200:
-                raise RuntimeError(f"finish: {r.status} {await r.text()}")
-
-    await asyncio.gather(*(finish(route) for route in routes))
-
-
-async def reconcile(targets: list[Target], db: DbBackends, what: str) -> bool:
-    """Every token trajstore's clients received (over all its targets) is in the store."""
-    stored = await db.stored_tokens()
-    received = sum(t.received_tokens for t in targets if t.name.startswith("trajstore"))
-    verdict = "ok" if stored == received else "MISMATCH"
-    print(f"reconciliation ({what}): received {received} tokens, stored {stored} tokens: {verdict}")
-    return stored == received
+#: The proxies whose ratios to the floor are printed: this checkout's, and the baseline's.
+PROXIES = ("trajstore", "trajstore-baseline")
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -568,15 +146,27 @@ def print_table(rows: dict[tuple[str, str, int], Row]) -> None:
 
 
 def print_ratios(rows: dict[tuple[str, str, int], Row], levels: list[int]) -> None:
-    print("\ntrajstore CPU/request ÷ floor CPU/request (target ≤ 2×; with its db backends):")
-    for mode in ("non-stream", "stream"):
-        parts = []
-        for conc in levels:
-            ours, floor = rows[("trajstore", mode, conc)].cpu, rows[("floor", mode, conc)].cpu
-            ratio = ours["target"] / floor["target"]
-            with_db = (ours["target"] + ours.get("db", 0.0)) / floor["target"]
-            parts.append(f"c={conc} {ratio:.2f}× ({with_db:.2f}×)")
-        print(f"  {mode:<10} " + "   ".join(parts))
+    print("\nCPU/request ÷ floor CPU/request (target ≤ 2×; with its db backends):")
+    for name in [*PROXIES, "floor-asgi"]:
+        for mode in ("non-stream", "stream"):
+            if (name, mode, levels[0]) not in rows:
+                continue
+            parts = []
+            for conc in levels:
+                ours, floor = rows[(name, mode, conc)].cpu, rows[("floor", mode, conc)].cpu
+                ratio = ours["target"] / floor["target"]
+                with_db = (ours["target"] + ours.get("db", 0.0)) / floor["target"]
+                parts.append(f"c={conc} {ratio:.2f}× ({with_db:.2f}×)")
+            print(f"  {name:<18} {mode:<10} " + "   ".join(parts))
+    if ("trajstore-baseline", "stream", levels[0]) in rows:
+        print("trajstore CPU/request ÷ the baseline's (same run):")
+        for mode in ("non-stream", "stream"):
+            parts = []
+            for conc in levels:
+                ours = rows[("trajstore", mode, conc)].cpu["target"]
+                base = rows[("trajstore-baseline", mode, conc)].cpu["target"]
+                parts.append(f"c={conc} {ours / base:.2f}× ({ours:.3f} / {base:.3f} ms)")
+            print(f"  {mode:<10} " + "   ".join(parts))
     print("trajstore added p50 vs direct at concurrency 1 (target ≤ 1 ms):")
     for mode in ("non-stream", "stream"):
         direct, floor = rows[("direct", mode, 1)], rows[("floor", mode, 1)]
@@ -627,36 +217,6 @@ def print_throughput(rows: dict[tuple[str, str, int], Row], levels: list[int]) -
         print(f"  {mode:<10} " + "   ".join(parts))
 
 
-def start_vllm(servers: Servers) -> Server:
-    """A real vLLM (CPU build) on the generated tiny model, owned by `servers`."""
-    from trajstore.tiny_model import build_tiny_model
-    from trajstore.vllm_server import VllmServer
-
-    model = build_tiny_model(Path(servers.logs.name) / "model")
-    log = Path(servers.logs.name) / "engine.log"
-    vllm = VllmServer(model, free_port(), log_file=log)
-    vllm.start()
-    assert vllm.process is not None
-    server = Server("engine", vllm.process, vllm.url, log)
-    servers.started.append(server)
-    return server
-
-
-async def answer_sizes(http: aiohttp.ClientSession, engine_url: str) -> str:
-    """The engine's answer bytes as an agent asks, and as trajstore asks (ids and logprobs)."""
-    sizes = []
-    for stream in (False, True):
-        plain = orjson.loads(request_body(stream))
-        for body in (plain, engine_body("chat", plain)):
-            async with http.post(engine_url + "/v1/chat/completions", json=body) as resp:
-                sizes.append(len(await resp.read()))
-    return (
-        f"request body bytes {len(request_body(False))}; "
-        f"engine answer bytes, as the agent asks / as trajstore asks: non-stream "
-        f"{sizes[0]} / {sizes[1]}, stream {sizes[2]} / {sizes[3]}"
-    )
-
-
 # -- the run ------------------------------------------------------------------------------------
 
 
@@ -670,6 +230,8 @@ class Plan:
     soak: int
     vllm: bool = False  # a real vLLM (CPU, generated tiny model) instead of the fake engine
     apis: bool = False  # also Anthropic Messages and OpenAI Responses through trajstore
+    baseline: Path | None = None  # another checkout's proxy, measured beside this one
+    floors: bool = False  # also the pass-through as a bare ASGI app on the proxy's server
 
 
 async def soak(http: aiohttp.ClientSession, targets: list[Target], db: DbBackends, n: int) -> bool:
@@ -712,16 +274,11 @@ async def main(plan: Plan) -> int:
         else:
             engine = servers.start("engine", [python, "-c", ENGINE_MAIN, str(ROOT), "{port}"])
         await servers.wait_ready(engine, http, "/health")
-        floor = servers.start(
-            "floor",
-            [python, "benchmarks/passthrough.py", "--engine", engine.url, "--port", "{port}"],
-        )
+        passthrough = [python, "benchmarks/passthrough.py", "--engine", engine.url]
+        floor = servers.start("floor", [*passthrough, "--port", "{port}"])
         env = {**os.environ, "TRAJSTORE_DATABASE_URL": scratch}
-        ours = servers.start(
-            "trajstore",
-            [python, "-m", "trajstore", "proxy", "--engine", engine.url, "--port", "{port}"],
-            env=env,
-        )
+        serve = ["proxy", "--engine", engine.url, "--port", "{port}"]
+        ours = servers.start("trajstore", [*proxy_argv(python, None), *serve], env=env)
         await servers.wait_ready(floor, http, "/health")  # the engine's, through the floor
         await servers.wait_ready(ours, http, "/health")
         conn = await asyncpg.connect(asyncpg_dsn(scratch))
@@ -737,6 +294,19 @@ async def main(plan: Plan) -> int:
             Target("floor", [Route(floor.url + chat, {})], [floor.process.pid], floor),
             Target("trajstore", routes, [ours.process.pid], ours),
         ]
+        if plan.floors:
+            asgi = servers.start("floor-asgi", [*passthrough, "--asgi", "--port", "{port}"])
+            await servers.wait_ready(asgi, http, "/health")
+            targets.append(Target("floor-asgi", [Route(asgi.url + chat, {})], [asgi.process.pid]))
+        if plan.baseline is not None:
+            argv = [*proxy_argv(python, plan.baseline), *serve]
+            base = servers.start("trajstore-baseline", argv, env=env)
+            await servers.wait_ready(base, http, "/health")
+            base_routes = await create_sessions(
+                http, base.url, [f"baseline-{i}" for i in range(max(plan.levels))]
+            )
+            routes += base_routes
+            targets.append(Target("trajstore-baseline", base_routes, [base.process.pid], base))
         for api in ("messages", "responses") if plan.apis else ():
             api_routes = await create_sessions(
                 http, ours.url, [f"bench-{api}-{i}" for i in range(max(plan.levels))], api
@@ -812,6 +382,14 @@ if __name__ == "__main__":
         "--apis", action="store_true",
         help="also measure Anthropic Messages and OpenAI Responses through trajstore",
     )  # fmt: skip
+    parser.add_argument(
+        "--baseline", type=Path, metavar="DIR",
+        help="also serve the proxy of another checkout (a worktree of main, say) in the same run",
+    )  # fmt: skip
+    parser.add_argument(
+        "--floors", action="store_true",
+        help="also the pass-through as a bare ASGI app on the proxy's server (floor-asgi)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.context_tokens:
         MESSAGES[1:1] = history(args.context_tokens)
@@ -827,6 +405,8 @@ if __name__ == "__main__":
         soak=0 if args.vllm else soak_sessions,
         vllm=args.vllm,
         apis=args.apis,
+        baseline=args.baseline,
+        floors=args.floors,
     )
     if 1 not in plan.levels:
         parser.error("the concurrency levels must include 1 (the added-latency figure)")

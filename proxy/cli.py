@@ -89,6 +89,7 @@ def proxy(
     import uvicorn
 
     from trajstore.proxy.app import create_app
+    from trajstore.proxy.server import SERVER_OPTIONS
 
     urls = engine_urls(engines)
     if not urls and not relays_only:
@@ -100,7 +101,9 @@ def proxy(
     app = create_app(settings, role_database_url(RECORDER_ROLE, store_settings_of(ctx)))
     served = ", ".join(urls) or "engines that dial in at /engines/connect"
     click.echo(f"trajstore proxy on http://{host}:{settings.port} -> {served}")
-    uvicorn.run(app, host=host, port=settings.port, log_level="warning", access_log=False)
+    uvicorn.run(
+        app, host=host, port=settings.port, log_level="warning", access_log=False, **SERVER_OPTIONS
+    )
 
 
 @click.command("relay")

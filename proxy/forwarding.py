@@ -14,14 +14,12 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from trajstore.proxy.apis import Dropped, Translation, as_chat, dropped_header, dropped_json
 from trajstore.proxy.apis.base import refuse_hosted
@@ -34,6 +32,7 @@ from trajstore.proxy.metrics import ProxyMetrics
 from trajstore.proxy.recorder import RequestRecorder, new_request_id
 from trajstore.proxy.sessions import Session
 from trajstore.proxy.settings import ProxySettings
+from trajstore.proxy.streaming import JsonAnswer, RelayResponse, StreamRelay, Write
 from trajstore.proxy.transport import Answer, AnswerBroken, EngineUnreachable, TransportError
 from trajstore.proxy.wire import (
     ENGINE_PATHS,
@@ -50,44 +49,8 @@ log = logging.getLogger(__name__)
 
 _JSON = "application/json"
 
-
-class RelayResponse(StreamingResponse):
-    """A streaming response that notices the client leaving even while the engine is silent.
-
-    Starlette only watches for disconnects on older ASGI servers; a stalled engine would keep a
-    relay (and the engine's generation) alive long after the agent hung up. Cancelling the relay
-    lets it record the abort and close the engine connection, which makes vLLM stop generating.
-    """
-
-    def __init__(
-        self,
-        content: AsyncIterator[bytes],
-        on_close: Callable[[], Awaitable[None]],
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(content, headers=headers, media_type="text/event-stream")
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def client_left() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        relay = asyncio.ensure_future(self.stream_response(send))
-        watcher = asyncio.ensure_future(client_left())
-        try:
-            await asyncio.wait({relay, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (relay, watcher):
-                task.cancel()
-            results = await asyncio.gather(relay, watcher, return_exceptions=True)
-            # Also when the relay never started (the agent left at once): its own cleanup
-            # would then never run.
-            await self.on_close()
-        if isinstance(results[0], BaseException) and not isinstance(
-            results[0], asyncio.CancelledError | OSError
-        ):
-            raise results[0]
+#: What a model call is answered with: an ASGI callable (`proxy.streaming`).
+Answered = JsonAnswer | RelayResponse
 
 
 class Forwarder:
@@ -127,7 +90,7 @@ class Forwarder:
 
     async def handle(
         self, api: Api, session: Session, raw: bytes, extra_headers: dict[str, str] | None = None
-    ) -> Response:
+    ) -> Answered:
         """Answer one request of `session` to `api`: chat or completions, or an API translated
         to chat (`proxy.apis`).
 
@@ -163,7 +126,7 @@ class Forwarder:
         assert failure is not None
         raise failure
 
-    async def _attempt(self, call: _Call, engine: Engine) -> Response:
+    async def _attempt(self, call: _Call, engine: Engine) -> Answered:
         """Record the request as sent to `engine`, send it, answer the agent; raise
         `_EngineLost` (recorded) when the engine is lost before the agent got anything."""
         api, session, body, chat, asked = call.api, call.session, call.body, call.chat, call.asked
@@ -224,7 +187,7 @@ class Forwarder:
         finally:
             release()
 
-    async def count_tokens(self, session: Session, raw: bytes) -> Response:
+    async def count_tokens(self, session: Session, raw: bytes) -> Answered:
         """Anthropic's `count_tokens`: the prompt a Messages request would be, counted by the
         engine's own chat template (its `/tokenize`). Nothing is generated, so nothing recorded."""
         request, dropped = Messages().count_tokens_request(parse_body("messages", raw))
@@ -250,8 +213,7 @@ class Forwarder:
             error = BadRequest(message) if status == 400 else EngineFailed(message, status=status)
             raise error
         count = orjson.loads(answer_body).get("count")
-        answer_json = orjson.dumps({"input_tokens": count})
-        return Response(answer_json, headers=dropped_header(dropped), media_type=_JSON)
+        return JsonAnswer(orjson.dumps({"input_tokens": count}), headers=dropped_header(dropped))
 
     # -- non-streaming --------------------------------------------------------------------------
 
@@ -262,7 +224,7 @@ class Forwarder:
         answer: Answer,
         recorder: RequestRecorder,
         reply: Reply,
-    ) -> Response:
+    ) -> Answered:
         try:
             status, raw = answer.status, await answer.read()
         except BaseException as exc:
@@ -280,7 +242,7 @@ class Forwarder:
         recorder.record(extracted)
         await recorder.finished(extracted.usage)
         self._observe(api, recorder, extracted.usage)
-        return Response(reply.answer(data), headers=reply.headers, media_type=_JSON)
+        return JsonAnswer(reply.answer(data), headers=reply.headers)
 
     # -- streaming ------------------------------------------------------------------------------
 
@@ -292,7 +254,7 @@ class Forwarder:
         release: Callable[[], None],
         recorder: RequestRecorder,
         reply: Reply,
-    ) -> Response:
+    ) -> Answered:
         if answer.status != 200:
             try:
                 raw = await answer.read()
@@ -315,14 +277,8 @@ class Forwarder:
             if not recorder.ended:
                 await recorder.failed("client_disconnected", "the agent left before the stream")
 
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in self._relay(api, engine, answer, recorder, reply):
-                    yield chunk
-            finally:
-                await close()
-
-        return RelayResponse(relay(), on_close=close, headers=reply.headers)
+        relay = functools.partial(self._relay, api, engine, answer, recorder, reply)
+        return RelayResponse(relay, on_close=close, headers=reply.headers)
 
     async def _relay(
         self,
@@ -331,22 +287,24 @@ class Forwarder:
         answer: Answer,
         recorder: RequestRecorder,
         reply: Reply,
-    ) -> AsyncIterator[bytes]:
-        # Events are relayed as they arrive, but everything that arrived in one read goes to the
-        # agent in one write: per-event writes through the ASGI stack cost more than the relay.
-        relay = _StreamRelay(api, recorder, reply)
-        pending = b""
+        write: Write,
+    ) -> None:
+        # Events are relayed as they arrive, but everything that arrived in one read is parsed,
+        # recorded and written to the agent at once (`proxy.streaming`).
+        translation = reply.translation
+        translator = (
+            None if translation is None else translation.stream(reply.body, reply.request_id)
+        )
+        relay = StreamRelay(api, recorder, reply.asked, translator)
         try:
             async for data in answer.chunks():
-                pending += data
-                *events, pending = pending.split(b"\n\n")
-                out = b"".join([relay.event(event) for event in events])
+                out = relay.read(data)
                 await recorder.drain()
                 if relay.engine_error is not None:
                     await recorder.failed("engine_error", relay.engine_error)
                     relay.engine_error = None
                 if out:
-                    yield out
+                    await write(out)
                 if relay.done:
                     break
         except asyncio.CancelledError:
@@ -362,7 +320,7 @@ class Forwarder:
                 self.engines.suspect(engine, message)
             await recorder.failed(reason, message)
             self._count(api, 502)
-            yield relay.error(EngineFailed(message))
+            await write(relay.error(EngineFailed(message)))
             return
         except Exception as exc:
             # A bug of ours, mid-stream: the status line is sent, so the agent learns of it in
@@ -370,7 +328,7 @@ class Forwarder:
             log.exception("relaying a stream failed")
             await recorder.failed("proxy_error", f"{type(exc).__name__}: {exc}")
             self._count(api, 500)
-            yield relay.error(from_bug(exc))
+            await write(relay.error(from_bug(exc)))
             return
         if relay.done and not recorder.ended:
             await recorder.finished(relay.usage)
@@ -378,7 +336,8 @@ class Forwarder:
         elif not relay.done:
             await recorder.failed("engine_error", "the engine closed the stream before [DONE]")
             self._count(api, 502)
-            yield relay.error(EngineFailed("the engine closed the stream before it was complete"))
+            failure = EngineFailed("the engine closed the stream before it was complete")
+            await write(relay.error(failure))
 
     # -- continuation ---------------------------------------------------------------------------
 
@@ -447,7 +406,7 @@ class Forwarder:
 
     async def _engine_refusal(
         self, api: Api, recorder: RequestRecorder, status: int, raw: bytes, reply: Reply
-    ) -> Response:
+    ) -> Answered:
         """The engine refused the request: record it, pass its (OpenAI-shaped) error on, in the
         agent's API's shape."""
         try:
@@ -460,7 +419,7 @@ class Forwarder:
             error = BadRequest(message) if status == 400 else EngineFailed(message, status=status)
             error.status = status
             raw = orjson.dumps(reply.translation.error_body(error))
-        return Response(raw, status_code=status, media_type=_JSON)
+        return JsonAnswer(raw, status)
 
     def _count(self, api: Api, status: int) -> None:
         self.metrics.requests.labels(api=api, status=str(status)).inc()
@@ -501,10 +460,6 @@ class _Call:
     dropped: list[Dropped]  #: of the agent's tools, those the engine does not get
 
 
-def _sse(data: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(data) + b"\n\n"
-
-
 @dataclass
 class Reply:
     """How the engine's answers go back to the agent: as the engine gave them, less what the
@@ -521,53 +476,3 @@ class Reply:
         if self.translation is None:
             return orjson.dumps(strip(data, self.asked, streaming=False))
         return orjson.dumps(self.translation.answer(data, self.body, self.request_id))
-
-
-class _StreamRelay:
-    """One stream's events: record what they carry, give back what the agent asked for."""
-
-    def __init__(self, api: Api, recorder: RequestRecorder, reply: Reply) -> None:
-        self.api: Api = "completions" if api == "completions" else "chat"  # what the engine speaks
-        self.recorder = recorder
-        self.asked = asked = reply.asked
-        translation = reply.translation
-        self.translator = (
-            None if translation is None else translation.stream(reply.body, reply.request_id)
-        )
-        # When the agent asked for everything the proxy adds, events pass through unchanged.
-        self.verbatim = asked.token_ids and asked.logprobs and asked.usage
-        self.usage: dict[str, Any] | None = None
-        self.done = False
-        self.engine_error: str | None = None  # an error event the engine sent mid-stream
-
-    def event(self, event: bytes) -> bytes:
-        """The bytes to send the agent for one SSE event (b"" for none)."""
-        data = event.strip()
-        if not data.startswith(b"data:"):
-            return b""  # comments, keep-alives
-        data = data[5:].strip()
-        if data == b"[DONE]":
-            self.done = True
-            return b"data: [DONE]\n\n" if self.translator is None else self.translator.end()
-        chunk = orjson.loads(data)
-        if "error" in chunk and "choices" not in chunk:
-            self.engine_error = str((chunk["error"] or {}).get("message"))
-            if self.translator is not None:
-                return self.translator.error(EngineFailed(self.engine_error))
-            return b"data: " + data + b"\n\n"
-        extracted = extract(self.api, chunk)
-        self.recorder.record(extracted)
-        self.usage = extracted.usage or self.usage
-        if self.translator is not None:
-            return self.translator.chunk(chunk)
-        if self.verbatim:
-            return b"data: " + data + b"\n\n"
-        if not chunk.get("choices") and extracted.usage and not self.asked.usage:
-            return b""  # the usage chunk the proxy asked for, not the agent
-        if not self.asked.usage:
-            chunk.pop("usage", None)
-        return _sse(strip(chunk, self.asked, streaming=True))
-
-    def error(self, error: ProxyError) -> bytes:
-        """The event that tells the agent its stream failed, in its API's shape."""
-        return _sse(error.body()) if self.translator is None else self.translator.error(error)

@@ -11,6 +11,7 @@ newer runs by name.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -95,6 +96,11 @@ class ProxyMetrics:
             "under a global cap)", ["run"], buckets=_WAIT_BUCKETS, registry=r,
         )  # fmt: skip
         self._run_labels: dict[str, str] = {}
+        for metric in (
+            self.requests_started, self.requests, self.tokens, self.latency, self.ttft,
+            self.prompts, self.admitted, self.rate_limited, self.left_queued, self.admission_wait,
+        ):  # fmt: skip
+            _keep_children(metric)
 
     def run_label(self, run_id: str) -> str:
         """The `run` label of a run: its id, for the first `MAX_RUN_LABELS` runs seen."""
@@ -124,6 +130,23 @@ class ProxyMetrics:
         self.writer_lag.set_function(lag)
         self.writer_failed.set_function(failed)
         self.engines_healthy.set_function(healthy)
+
+
+def _keep_children(metric: Counter | Histogram) -> None:
+    """Answer `metric.labels(...)` from a dict once the values were seen: prometheus_client
+    checks the values and takes a lock on every call, and a request makes about ten of them.
+    Label values are bounded (APIs, statuses, `run_label`), and so is the dict."""
+    children: dict[tuple[Any, ...], Any] = {}
+    lookup = metric.labels
+
+    def labels(*values: Any, **named: Any) -> Any:
+        key = (values, tuple(named.items()))
+        child = children.get(key)
+        if child is None:
+            child = children[key] = lookup(*values, **named)
+        return child
+
+    metric.labels = labels  # type: ignore[method-assign]
 
 
 class _AdmissionGauges(Collector):

@@ -27,6 +27,7 @@ import ray
 import uvicorn
 
 from trajstore.proxy.app import create_app
+from trajstore.proxy.server import SERVER_OPTIONS
 from trajstore.proxy.settings import ProxySettings
 
 #: How long `start` waits for the proxy to accept connections (it connects to the store first).
@@ -58,7 +59,9 @@ class ProxyActor:
         # The app builds each session's base URL from these: make them the real address.
         settings = self.settings.model_copy(update={"port": port, "public_url": url})
         app = create_app(settings, self.database_url)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="on", **SERVER_OPTIONS
+        )
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]), name="trajstore-proxy")
         loop = asyncio.get_running_loop()

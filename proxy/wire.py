@@ -223,3 +223,79 @@ def extract(api: Api, data: dict[str, Any]) -> Extracted:
             )
         )
     return Extracted(prompt, choices, data.get("usage"))
+
+
+def extract_stream(api: Api, chunks: list[dict[str, Any]]) -> Extracted:
+    """What a run of stream chunks carries (those of one read), merged per choice.
+
+    Recording the merge is recording each chunk in turn: the same ids, logprobs, text and
+    delta, in order, at one `record()` per read instead of one per event. A chunk whose tokens
+    came without their logprobs leaves the merged choice without logprobs (`None`), as it
+    leaves the recorded chunk without them.
+    """
+    merged = Extracted()
+    runs: dict[int, _Run] = {}
+    for data in chunks:
+        usage = data.get("usage")
+        if usage:
+            merged.usage = usage
+        prompt = data.get("prompt_token_ids")
+        if prompt is not None and merged.prompt_token_ids is None:
+            merged.prompt_token_ids = prompt
+        for choice in data.get("choices") or ():
+            if merged.prompt_token_ids is None and choice.get("prompt_token_ids") is not None:
+                merged.prompt_token_ids = choice["prompt_token_ids"]  # completions: per choice
+            index = int(choice.get("index") or 0)
+            run = runs.get(index)
+            if run is None:
+                run = runs[index] = _Run(api != "completions")
+            run.take(api, choice)
+    merged.choices = [run.tokens(index) for index, run in runs.items()]
+    return merged
+
+
+class _Run:
+    """One choice's chunks of a read, merged (`extract_stream`)."""
+
+    __slots__ = ("calls", "finish_reason", "ids", "logprobs", "role", "stop_reason", "texts")
+
+    def __init__(self, chat: bool) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[float] | None = []
+        self.texts: list[str] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: Any = None
+        self.role: str | None = None
+        self.calls: list[Any] | None = [] if chat else None  # None: completions (no delta)
+
+    def take(self, api: Api, choice: dict[str, Any]) -> None:
+        ids = choice.get("token_ids")
+        if ids:
+            self.ids += ids
+            if self.logprobs is not None:
+                values = _logprobs_of(api, choice, len(ids))
+                if values is None:
+                    self.logprobs = None  # tokens without their logprobs: none for the run
+                else:
+                    self.logprobs += values
+        if self.calls is None:
+            self.texts.append(choice.get("text") or "")
+        else:
+            delta = choice.get("delta")
+            if delta:
+                self.texts.append(delta.get("content") or "")
+                self.role = delta.get("role") or self.role
+                calls = delta.get("tool_calls")
+                if calls:
+                    self.calls += calls
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        self.stop_reason = choice.get("stop_reason") or self.stop_reason
+
+    def tokens(self, index: int) -> ChoiceTokens:
+        text = "".join(self.texts)
+        delta = None
+        if self.calls is not None:
+            delta = {"role": self.role, "content": text, "tool_calls": self.calls}
+        return ChoiceTokens(
+            index, self.ids, self.logprobs, text, self.finish_reason, self.stop_reason, None, delta
+        )

@@ -313,6 +313,7 @@ async def serving(
     import uvicorn
 
     from trajstore.proxy.app import create_app
+    from trajstore.proxy.server import SERVER_OPTIONS
     from trajstore.store.eventstore import EventStore
     from trajstore.store.projection import Projector
 
@@ -325,7 +326,7 @@ async def serving(
 
     config = uvicorn.Config(
         create_app(settings, recorder_url or database_url), host=settings.host, port=settings.port,
-        log_level="warning", access_log=False, lifespan="on",
+        log_level="warning", access_log=False, lifespan="on", **SERVER_OPTIONS,
     )  # fmt: skip
     server = Server(config)
     store = await EventStore.open(projector_url or database_url)

@@ -19,6 +19,7 @@ from openai import AsyncOpenAI
 from tests.conftest import free_port
 from tests.proxy.fake_engine import FakeEngine
 from trajstore.proxy.app import create_app
+from trajstore.proxy.server import SERVER_OPTIONS
 from trajstore.proxy.settings import ProxySettings
 from trajstore.store import EventStore
 from trajstore.store.samples import Sample, build_samples
@@ -80,7 +81,7 @@ async def serve_proxy(settings: ProxySettings, database_url: str) -> AsyncIterat
     """Run the proxy app under uvicorn in this event loop until the block ends."""
     app = create_app(settings, database_url)
     config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning",
-                            lifespan="on")  # fmt: skip
+                            lifespan="on", **SERVER_OPTIONS)  # fmt: skip
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     for _ in range(500):

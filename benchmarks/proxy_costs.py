@@ -1,0 +1,176 @@
+"""Where the proxy's CPU goes: each stage of a model call, timed alone, in this process.
+
+    python benchmarks/proxy_costs.py [--repeat 7]
+
+benchmarks/proxy_overhead.py measures the whole proxy against the floor; this splits the proxy's
+own work into its stages, each run on the benchmark's own request (the two-message chat of
+max_tokens 64) and on the fake engine's own answers to it (whole, and the 64-token stream of 67
+server-sent events), through the proxy's real functions: routing and the key check, the body's
+parse, the request's event, the engine's body, the answer's parse and record, the agent's answer,
+the metrics, the writer's queue. The writer's COPY and PostgreSQL are not here (overhead's db/req
+column), nor the server, the engine client and the event loop (overhead's `--floors`: the
+pass-through on the proxy's own server). Each figure is the least thread CPU time per call over
+`--repeat` rounds: the machine's other load cannot add to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import orjson
+from overhead_servers import request_body
+
+from tests.proxy.fake_engine import FakeEngine
+from trajstore.proxy.apis import as_chat
+from trajstore.proxy.auth import require_session_key
+from trajstore.proxy.forwarding import Forwarder, Reply
+from trajstore.proxy.metrics import ProxyMetrics
+from trajstore.proxy.model_calls import match, presented_key
+from trajstore.proxy.recorder import RequestRecorder
+from trajstore.proxy.sessions import SessionRegistry
+from trajstore.proxy.streaming import StreamRelay
+from trajstore.proxy.wire import engine_body, extract, extract_stream
+from trajstore.store.writer import copy_row
+
+
+class _Queue:
+    """The writer's side of `put`: the row COPY will send, built and queued, nothing written."""
+
+    saturated = False
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[Any, ...]] = []
+
+    async def put(self, stream_id: str, version: int, event: Any) -> None:
+        self.rows.append(copy_row(stream_id, version, event))
+
+
+def least(call: Callable[[], Any], repeat: int, number: int = 300) -> float:
+    """The least thread CPU time of one call, in µs."""
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.thread_time()
+        for _ in range(number):
+            call()
+        best = min(best, (time.thread_time() - started) / number)
+    return best * 1e6
+
+
+def drive(coroutine: Coroutine[Any, Any, Any]) -> None:
+    """Run a coroutine that never waits (the queue above always has room) without a loop."""
+    try:
+        coroutine.send(None)
+    except StopIteration:
+        return
+    raise RuntimeError("the coroutine waited")
+
+
+def recorder() -> RequestRecorder:
+    return RequestRecorder(_Queue(), session_id="s-1", run_id="r", request_id="q" * 32)  # type: ignore[arg-type]
+
+
+def stages(repeat: int) -> list[tuple[str, str, float]]:
+    """(part, stage, µs) for one request, one stream and one stream event."""
+    run = drive
+    engine = FakeEngine(instant=True)
+    raw = request_body(False)
+    request = as_chat("chat", raw)
+    whole = engine._render("chat", engine_body("chat", request.chat))
+    stream_raw = request_body(True)
+    stream_request = as_chat("chat", stream_raw)
+    events = engine._render("chat", engine_body("chat", stream_request.chat))
+    assert isinstance(whole, bytes) and isinstance(events, list)
+    answer = b"".join(events)
+    registry = SessionRegistry(None, None, b"secret", replica_id="x")  # type: ignore[arg-type]
+    headers = [(b"authorization", f"Bearer {registry.key_for('s-1')}".encode())] * 1 + [
+        (b"content-type", b"application/json"), (b"content-length", b"%d" % len(raw)),
+        (b"host", b"127.0.0.1:8400"), (b"user-agent", b"Python/3.11 aiohttp/3.14"),
+    ]  # fmt: skip
+    metrics = ProxyMetrics()
+    forwarder = Forwarder.__new__(Forwarder)
+    forwarder.metrics = metrics
+
+    def route_and_auth() -> None:
+        match("/sessions/s-1/v1/chat/completions")
+        named = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+        require_session_key(registry, None, "s-1", presented_key(named), model_call=True)
+
+    def received(rec: RequestRecorder, call: Any = request) -> None:
+        event = rec.received_event(
+            api="chat", body=call.body, chat=call.chat, engine="http://e", policy_version="0",
+            logprobs_mode="raw", asked=call.asked, replica="x",
+        )  # fmt: skip
+        run(rec.emit(event))
+
+    def record_whole() -> None:
+        rec = recorder()
+        rec.record(extract("chat", orjson.loads(whole)))
+        run(rec.drain())
+        run(rec.finished(None))
+
+    data = orjson.loads(whole)
+    reply = Reply(request.asked, None, request.body, "q")
+    reply.answer(data)  # stripped in place once: later calls serialise the same answer
+    usage = data.get("usage")
+
+    def relay_stream() -> None:
+        rec = recorder()
+        relay = StreamRelay("chat", rec, stream_request.asked)
+        relay.read(answer)
+        run(rec.drain())
+        run(rec.finished(relay.usage))
+
+    payloads = [event[6:-2] for event in events[:-1]]
+    joined = b"[" + b",".join(payloads) + b"]"
+    chunks = orjson.loads(joined)
+    n = len(events)
+
+    def strip_and_serialise() -> None:
+        relay = StreamRelay("chat", recorder(), stream_request.asked)
+        relay.recorder.record = lambda extracted: None  # type: ignore[method-assign]
+        relay._relayed(payloads)
+
+    extracted = extract_stream("chat", chunks)
+
+    def record_read() -> None:
+        rec = recorder()
+        rec.record(extracted)
+        run(rec.drain())
+
+    def t(call: Callable[[], Any]) -> float:
+        return least(call, repeat)
+
+    loads = t(lambda: orjson.loads(joined))
+    engine_json = lambda: orjson.dumps(engine_body("chat", request.chat))  # noqa: E731
+    out: list[tuple[str, str, float]] = [
+        ("request", "routing and the key check", t(route_and_auth)),
+        ("request", "the body parsed and checked", t(lambda: as_chat("chat", raw))),
+        ("request", "request_received: built, encoded, queued", t(lambda: received(recorder()))),
+        ("request", "the engine's body", t(engine_json)),
+        ("request", "the answer parsed", t(lambda: orjson.loads(whole))),
+        ("request", "the answer recorded (prompt, chunk, finished)", t(record_whole)),
+        ("request", "the agent's answer (stripped, serialised)", t(lambda: reply.answer(data))),
+        ("request", "metrics", t(lambda: forwarder._observe("chat", recorder(), usage))),
+        ("stream", f"the whole stream relayed and recorded ({n} events)", t(relay_stream)),
+        ("event", "parsed (one orjson.loads per read)", loads / n),
+        ("event", "ids, logprobs, text taken out", t(lambda: extract_stream("chat", chunks)) / n),
+        ("event", "recorded (prompt, chunk events built, encoded, queued)", t(record_read) / n),
+        ("event", "stripped and serialised for the agent", (t(strip_and_serialise) - loads) / n),
+    ]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=7, help="rounds; the least is kept [7]")
+    args = parser.parse_args()
+    print(f"{'part':<8} {'stage':<66} {'µs':>8}")
+    for part, stage, micros in stages(args.repeat):
+        print(f"{part:<8} {stage:<66} {micros:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
