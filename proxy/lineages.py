@@ -55,6 +55,8 @@ def render_key(body: dict[str, Any]) -> bytes:
 # -- comparing the reply the agent sent back with the one it was given -------------------------
 
 
+#: Remembered turns, other than the lineages' last, that a request is compared with.
+REWINDS = 64
 _KEY = os.urandom(16)
 _COMMA = ord(",")
 
@@ -144,6 +146,7 @@ class SessionTurns:
         self.latest: Turn | None = None  #: the most recently completed turn
         self.images: frozenset[str] = frozenset()  #: images recorded for the session here
         self._by_key: dict[tuple[int, bytes], list[Turn]] = {}
+        self._heads: dict[int, int] = {}  # the lineages' last turns' messages lengths: how many
         self.size = 0
 
     def add(
@@ -162,6 +165,7 @@ class SessionTurns:
             assert extends is not None
             self.size -= len(extends.held_prompt or b"")
             extends.held_prompt = None  # the new last turn's prompt holds it
+            self._count_head(extends.messages_len, -1)
         else:
             chain = Chain()
             if parent is not None and parent.chain is not None:
@@ -169,18 +173,29 @@ class SessionTurns:
             self.chains.append(chain)
         chain.turns.append(turn)
         turn.chain = chain
+        self._count_head(turn.messages_len, +1)
         self._by_key.setdefault((turn.messages_len, turn.messages_key), []).append(turn)
         self.latest = turn
         self.size += turn.size
 
+    def _count_head(self, length: int, by: int) -> None:
+        count = self._heads.get(length, 0) + by
+        if count:
+            self._heads[length] = count
+        else:
+            del self._heads[length]
+
     def continued_by(self, serialised: bytes) -> list[Turn]:
         """The remembered turns whose messages `serialised` (a request's) starts with and goes on
-        past, deepest first: the lineages' last turns; when none fits, any turn."""
+        past, deepest first: the lineages' last turns; when none fits, the `REWINDS` deepest
+        other turns it could continue (a rewind to an earlier point: further back, the log
+        answers)."""
         if not self._by_key:
             return []
-        found = self._fitting(serialised, sorted({c.head.messages_len for c in self.chains}))
+        found = self._fitting(serialised, sorted(self._heads))
         if not found:
-            found = self._fitting(serialised, sorted({n for n, _ in self._by_key}))
+            shorter = sorted(n for n, _ in self._by_key if n < len(serialised))
+            found = self._fitting(serialised, shorter[-REWINDS:])
         return found
 
     def _fitting(self, serialised: bytes, lengths: list[int]) -> list[Turn]:

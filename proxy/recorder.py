@@ -168,7 +168,10 @@ class RequestRecorder:
         if api != "completions" and isinstance(recorded, list):
             self._messages = (len(recorded), orjson.dumps(recorded))
             self._render_key = render_key(chat)
-            self.candidates = self.turns.continued_by(self._messages[1])
+            # Only a request with history can continue a turn; without, it costs no look-up (a
+            # session used as a plain endpoint holds thousands of one-call lineages).
+            if any(m.get("role") == "assistant" for m in recorded if isinstance(m, dict)):
+                self.candidates = self.turns.continued_by(self._messages[1])
         if api == "chat" and isinstance(recorded, list):
             # Only chat stores messages by reference: the other APIs' bodies are their own.
             reference = self._messages_reference()
