@@ -61,8 +61,13 @@ async def train_steps(
     config: RecipeConfig | None = None,
     save_dir: Path | None = None,
     on_step: Callable[[dict[str, float]], None] | None = None,
+    rollouts: bool = False,
 ) -> list[dict[str, float]]:
     """Train the model in `model_dir` for `steps` steps on run `run_id`'s completed samples.
+
+    Each session gives its default sample, the main loop's last branch; `rollouts=True`: every
+    conversation of it (main loop, sub-agents, side calls), rows of one group member sharing its
+    advantage (`Selection.rollouts`).
 
     Each step is recorded in the ledger as step 1, 2, ... of `training_run`. The trained model
     (and its tokenizer) is saved to `save_dir` when given. Returns each step's metrics.
@@ -74,7 +79,7 @@ async def train_steps(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     optimiser = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-    selection = Selection(runs=(run_id,))
+    selection = Selection(runs=(run_id,), final_only=not rollouts, rollouts=rollouts)
     layout = Layout(batch_size=config.batch_size)
     history: list[dict[str, float]] = []
 
@@ -140,6 +145,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--training-run", default="recipe")
     parser.add_argument("--save", type=Path)
+    parser.add_argument(
+        "--rollouts",
+        action="store_true",
+        help="train on every lineage of a session (sub-agents, side calls), not the main loop",
+    )
     args = parser.parse_args()
 
     def show(m: dict[str, float]) -> None:
@@ -158,6 +168,7 @@ def main() -> None:
             training_run=args.training_run,
             save_dir=args.save,
             on_step=show,
+            rollouts=args.rollouts,
         )
     )
 
