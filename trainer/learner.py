@@ -26,6 +26,7 @@ from tensordict import TensorDict
 
 from trajstore.trainer import attention, microbatch
 from trajstore.trainer.device import autocast, default_autocast, resolve_device, to_device
+from trajstore.trainer.errors import TrainerError
 from trajstore.trainer.loss import LossConfig, policy_loss, token_logprobs
 
 
@@ -37,6 +38,7 @@ class LearnerConfig:
     autocast: bool | None = None  #: bf16 autocast; None: on for a GPU, off on the CPU
     attention: str = "sdpa"  #: sdpa | flex: how packed rows attend per sample
     micro_token_budget: int | None = None  #: padded tokens per forward pass (None: whole batch)
+    pad_multiple: int = 1  #: rows cut to a multiple of this (fewer shapes for a GPU's kernels)
     lr: float = 3e-3  #: AdamW learning rate
     max_grad_norm: float = 1.0
     updates_per_batch: int = 1  #: PPO epochs on one batch (> 1: the clip starts to matter)
@@ -89,7 +91,9 @@ class Learner:
         packed = attention.is_packed(batch["segment_ids"])
         micro = [
             microbatch.MicroBatch(to_device(m.tensors, self.device), m.trained_tokens, m.weight)
-            for m in microbatch.split(batch, self.config.micro_token_budget)
+            for m in microbatch.split(
+                batch, self.config.micro_token_budget, self.config.pad_multiple
+            )
         ]
         return Prepared(micro, packed, batch.get_non_tensor("samples"), batch)
 
@@ -112,6 +116,11 @@ class Learner:
         `reward_mean`, `micro_batches`, `tokens` (real tokens through the model, prompt
         included), `step_seconds` (the step's wall time, device work included).
         """
+        if prepared.packed and self.config.attention == "flex" and self.device.type == "cpu":
+            raise TrainerError(
+                "flex attention has no backward pass on the CPU (torch raises NotImplementedError):"
+                " train packed rows with attention='sdpa' there, or on a GPU"
+            )
         started = time.perf_counter()
         old: list[torch.Tensor | None] = [None] * len(prepared.micro)
         if self.config.updates_per_batch > 1:

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
+from trajstore.trainer.collate import FIELDS
+
+_PADDING = {name: padding for name, _, padding in FIELDS}
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -34,10 +38,12 @@ def trained_tokens(batch: TensorDict) -> torch.Tensor:
     return counts
 
 
-def split(batch: TensorDict, token_budget: int | None) -> list[MicroBatch]:
+def split(batch: TensorDict, token_budget: int | None, pad_multiple: int = 1) -> list[MicroBatch]:
     """The batch as micro-batches of at most `token_budget` padded tokens each (None: one).
 
-    Works on the CPU copy of the batch (its lengths are read as Python ints).
+    Each is cut (or padded) to its longest row rounded up to `pad_multiple`:
+    on a GPU, fewer distinct shapes mean fewer kernel autotunes and recompilations. Works on
+    the CPU copy of the batch (its lengths are read as Python ints).
     """
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     per_row = trained_tokens(batch).tolist()
@@ -58,12 +64,21 @@ def split(batch: TensorDict, token_budget: int | None) -> list[MicroBatch]:
             groups.append(current)
     micro = []
     for group in groups:
-        width = max(max(lengths[r] for r in group), 1)
+        longest = max(max(lengths[r] for r in group), 1)
+        width = -(-longest // pad_multiple) * pad_multiple
         index = torch.tensor(group)
         tensors = TensorDict(
-            {key: value[index, :width] for key, value in batch.items() if key != "samples"},
+            {name: _cut(name, batch[name][index], width) for name, _, _ in FIELDS},
             batch_size=[len(group)],
         )
         tokens = sum(per_row[r] for r in group)
         micro.append(MicroBatch(tensors, tokens, tokens / total if total else 0.0))
     return micro
+
+
+def _cut(name: str, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """`rows` cut to `width` columns, or padded to it with the field's padding value."""
+    if rows.shape[1] >= width:
+        return rows[:, :width]
+    pad = width - rows.shape[1]
+    return torch.nn.functional.pad(rows, (0, pad), value=_PADDING.get(name, 0))

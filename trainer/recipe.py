@@ -104,6 +104,7 @@ async def train_steps(
     save_dir: Path | None = None,
     checkpoint_dir: Path | None = None,
     on_step: Callable[[dict[str, float]], None] | None = None,
+    learner: Learner | None = None,
 ) -> list[dict[str, float]]:
     """Train the model in `model_dir` until `steps` steps of `training_run` are done.
 
@@ -111,9 +112,11 @@ async def train_steps(
     `checkpoint_dir`, the run starts from its last checkpoint there (if any) and saves one every
     `config.checkpoint_every` steps and at the end. The trained model (and its tokenizer) is
     saved to `save_dir` when given. Returns the metrics of the steps this call trained.
+    `learner`: one already built (a benchmark's model made from a config), instead of loading
+    `model_dir`'s with `config.learner`.
     """
     config = config or RecipeConfig()
-    learner = Learner.load(model_dir, config.learner)
+    learner = learner or Learner.load(model_dir, config.learner)
     state = TrainingState()
     if checkpoint_dir is not None and (found := latest_checkpoint(checkpoint_dir)) is not None:
         state = load_checkpoint(found, learner.model, learner.optimiser)

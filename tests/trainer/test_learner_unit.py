@@ -146,3 +146,10 @@ async def test_prefetch_raises_a_failure_where_the_item_would_have_come() -> Non
     with pytest.raises(TrainerError, match="went away"):
         await consume()
     assert got == [1]
+
+
+def test_training_packed_rows_with_flex_on_the_cpu_says_what_to_use(model_dir: Path) -> None:
+    learner = Learner.load(model_dir, LearnerConfig(device="cpu", attention="flex"))
+    prepared = learner.prepare(collate([samples([20, 30])]))
+    with pytest.raises(TrainerError, match=r"no backward pass on the CPU.*attention='sdpa'"):
+        learner.step(prepared)
