@@ -105,8 +105,13 @@ async def train_steps(
     checkpoint_dir: Path | None = None,
     on_step: Callable[[dict[str, float]], None] | None = None,
     learner: Learner | None = None,
+    rollouts: bool = False,
 ) -> list[dict[str, float]]:
     """Train the model in `model_dir` until `steps` steps of `training_run` are done.
+
+    Each session gives its default sample, the main loop's last branch; `rollouts=True`: every
+    conversation of it (main loop, sub-agents, side calls), rows of one group member sharing its
+    advantage (`Selection.rollouts`).
 
     Each step is recorded in the ledger as step 1, 2, ... of `training_run`. With
     `checkpoint_dir`, the run starts from its last checkpoint there (if any) and saves one every
@@ -120,7 +125,7 @@ async def train_steps(
     state = TrainingState()
     if checkpoint_dir is not None and (found := latest_checkpoint(checkpoint_dir)) is not None:
         state = load_checkpoint(found, learner.model, learner.optimiser)
-    selection = Selection(runs=(run_id,))
+    selection = Selection(runs=(run_id,), final_only=not rollouts, rollouts=rollouts)
     layout = config.layout()
     history: list[dict[str, float]] = []
 
@@ -206,6 +211,11 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--checkpoint-dir", type=Path)
     parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument(
+        "--rollouts",
+        action="store_true",
+        help="train on every lineage of a session (sub-agents, side calls), not the main loop",
+    )
     args = parser.parse_args()
     config = RecipeConfig(
         batch_size=args.batch_size, token_budget=args.token_budget, pack=args.pack,
@@ -226,7 +236,7 @@ def main() -> None:
         train_steps(
             args.database_url, args.run_id, args.model_dir, args.steps,
             training_run=args.training_run, config=config, save_dir=args.save,
-            checkpoint_dir=args.checkpoint_dir, on_step=show,
+            checkpoint_dir=args.checkpoint_dir, on_step=show, rollouts=args.rollouts,
         )
     )  # fmt: skip
 

@@ -161,6 +161,7 @@ async def replay(
         advantages = group_advantages(
             [float(e.reward) for e in entries if e.reward is not None],
             [e.group_id for e in entries],
+            [e.session_id for e in entries],
         )
         advantage_of = {e.sample_id: a for e, a in zip(entries, advantages, strict=True)}
         ordered = shuffled(entries, seed=seed, shuffle=shuffle)
@@ -292,11 +293,12 @@ def _release_groups(state: _LiveState, group_size: int | None) -> None:
             for held in members:
                 held.advantage = 0.0
             continue
-        if group_size is not None and len(members) < group_size:
-            continue
+        sessions = [h.entry.session_id for h in members]
+        if group_size is not None and len(set(sessions)) < group_size:
+            continue  # a session's rows (its lineages) are one member of the group
         rewards = [float(h.entry.reward or 0.0) for h in members]
         for held, advantage in zip(
-            members, group_advantages(rewards, [group_id] * len(members)), strict=True
+            members, group_advantages(rewards, [group_id] * len(members), sessions), strict=True
         ):
             held.advantage = advantage
 
@@ -322,8 +324,9 @@ async def replay_live(
     waits: its session is re-projected when the reward arrives. A sample id already delivered
     is not delivered again when its session is re-projected, unless `redeliver=True`.
 
-    Advantages: with `group_size`, a group's samples wait until `group_size` of them have
-    arrived, then are normalised together (GRPO); without it, the samples of a group that
+    Advantages: with `group_size`, a group's samples wait until `group_size` of its sessions
+    have arrived, then are normalised together (GRPO; the rows of one session, its lineages with
+    `Selection(rollouts=True)`, are one member); without it, the samples of a group that
     arrived in one read are normalised together. Samples without a `group_id` get 0.
 
     A batch is handed over once full (the planned batches of the held samples, all but a last
