@@ -42,6 +42,9 @@ class LearnerConfig:
     lr: float = 3e-3  #: AdamW learning rate
     max_grad_norm: float = 1.0
     updates_per_batch: int = 1  #: PPO epochs on one batch (> 1: the clip starts to matter)
+    #: False: no importance weight (w = 1), the samples trained as if pi_old had generated them
+    #: (what "TIS off" means in `benchmarks/learning.py`)
+    importance_weights: bool = True
     loss: LossConfig = field(default_factory=LossConfig)
 
 
@@ -133,8 +136,11 @@ class Learner:
             for m, old_logprobs in zip(prepared.micro, old, strict=True):
                 logprobs = self.logprobs(m.tensors, prepared.packed)
                 reference = logprobs.detach() if old_logprobs is None else old_logprobs
+                tensors = m.tensors
+                if not self.config.importance_weights:
+                    tensors = _behaving_as(tensors, reference)
                 loss, metrics = policy_loss(
-                    logprobs, m.tensors, old_logprobs=reference, config=self.config.loss
+                    logprobs, tensors, old_logprobs=reference, config=self.config.loss
                 )
                 (loss * m.weight).backward()  # type: ignore[no-untyped-call]
                 loss_sum += loss.detach() * m.weight
@@ -163,3 +169,11 @@ def _accumulate(totals: dict[str, float], metrics: dict[str, float], weight: flo
             totals[key] = totals.get(key, 0.0) + value
         else:
             totals[key] = totals.get(key, 0.0) + value * weight
+
+
+def _behaving_as(tensors: TensorDict, reference: torch.Tensor) -> TensorDict:
+    """The rows with pi_old's logprobs as the behaviour's (w = 1); unreported ones stay NaN."""
+    behaviour = tensors["logprobs"]
+    copy = tensors.clone(recurse=False)
+    copy["logprobs"] = torch.where(torch.isfinite(behaviour), reference, behaviour)
+    return copy
