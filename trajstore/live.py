@@ -187,7 +187,9 @@ async def train_live(
         ):  # fmt: skip
             if generating.done():
                 generating.result()  # raise why the agents stopped
-            metrics = await asyncio.to_thread(learner.step, learner.prepare(batch))
+            # In a thread: the proxy may share this event loop (`trajstore train` serves it).
+            prepared = await asyncio.to_thread(learner.prepare, batch)
+            metrics = await asyncio.to_thread(learner.step, prepared)
             samples = batch.get_non_tensor("samples")
             metrics["staleness_mean"] = sum(s["staleness"] for s in samples) / len(samples)
             policy[0] = version = policy[0] + 1

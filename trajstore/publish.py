@@ -28,6 +28,7 @@ the engine's own either way, so the importance weights are exact.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,8 @@ class Publisher:
     async def publish(self, model: Any, version: int) -> Path:
         """Save `model` as policy `version`, load it into the engine, tell the proxy."""
         path = self.publish_dir / f"v{version}"
-        model.save_pretrained(path)
+        # In a thread: the proxy may share this event loop, and its agents must not stall.
+        await asyncio.to_thread(model.save_pretrained, path)
         await self._post(f"{self.engine_url}/pause", params={"mode": "wait"})
         try:
             await self._post(

@@ -51,7 +51,7 @@ async def live_services(
     from trajstore.proxy.cli import free_port_from, proxy_settings
     from trajstore.stack import serving
 
-    model_dir = untied_copy(base_model, work_dir / "v0")
+    model_dir = await asyncio.to_thread(untied_copy, base_model, work_dir / "v0")
     engine = VllmServer(
         model_dir, free_port_from("127.0.0.1", 8600), served_model_name=SERVED_NAME,
         log_file=log_file, env={"VLLM_SERVER_DEV_MODE": "1"},
@@ -79,7 +79,7 @@ async def run_config(
     The engine is reset to v0's weights first, so runs in one process start alike.
     """
     publisher = Publisher(services.engine_url, services.proxy_url, services.publish_dir / run_id)
-    learner = Learner.load(services.model_dir, learner_config)
+    learner = await asyncio.to_thread(Learner.load, services.model_dir, learner_config)
     try:
         await publisher.load(services.model_dir, 0)
         async with (
