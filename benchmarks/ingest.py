@@ -1,6 +1,6 @@
 """Ingest and read throughput of the event store, against raw asyncpg in the same run.
 
-    python benchmarks/ingest.py [--tokens 1000000] [--runs 5]
+    python benchmarks/ingest.py [--tokens 1000000] [--runs 7] [--before 0016_lineages]
 
 Writes realistic completion chunks (16 tokens, float32 logprobs, ~120 B of JSON) for many
 request streams through `EventWriter`, and the same rows with a raw asyncpg COPY into a plain
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import gc
 import statistics
 import time
@@ -30,11 +31,10 @@ from dataclasses import dataclass
 import asyncpg
 import numpy as np
 
-from trajstore.store import EventStore, EventType, NewEvent, RecordedEvent, migrations
+from trajstore.store import EventStore, EventType, NewEvent, RecordedEvent, migrations, queries
 from trajstore.store.connection import asyncpg_dsn, connect
 from trajstore.store.embedded import database_url
-from trajstore.store.partitions import ensure_partitions_at
-from trajstore.store.queries import INSERT_COLUMNS
+from trajstore.store.partitions import DAYS_AHEAD, ensure_partitions_at, partition_name
 from trajstore.store.writer import copy_row
 
 TOKENS_PER_CHUNK = 16
@@ -126,7 +126,25 @@ class Databases:
         await self._admin(f'CREATE DATABASE "{self.template}"')
         self.created.append(self.template)
         await asyncio.to_thread(migrations.upgrade, self.url_of(self.template), revision)
-        await ensure_partitions_at(self.url_of(self.template))
+        if revision == "head":
+            await ensure_partitions_at(self.url_of(self.template))
+            return
+        # An earlier revision's partitions: as its `create_partition` made them (no unique keys).
+        conn = await connect(self.url_of(self.template))
+        try:
+            today = await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date")
+            for offset in range(DAYS_AHEAD + 1):
+                day = today + dt.timedelta(days=offset)
+                name = partition_name(day)
+                await conn.execute(
+                    f"CREATE TABLE {name} PARTITION OF events FOR VALUES FROM "
+                    f"('{day} 00:00:00+00') TO ('{day + dt.timedelta(days=1)} 00:00:00+00')"
+                )
+                await conn.execute(
+                    queries.NAME_PARTITION_INDEXES.format(partition=name, suffix=f"{day:%Y%m%d}")
+                )
+        finally:
+            await conn.close()
 
     async def fresh(self) -> str:
         name = f"trajstore_bench_{uuid.uuid4().hex[:8]}"
@@ -181,7 +199,7 @@ async def write_with_raw_copy(url: str, workload: Workload) -> float:
         for i in range(0, len(records), BATCH_SIZE):
             async with conn.transaction():
                 await conn.copy_records_to_table(
-                    "scratch", records=records[i : i + BATCH_SIZE], columns=INSERT_COLUMNS
+                    "scratch", records=records[i : i + BATCH_SIZE], columns=queries.INSERT_COLUMNS
                 )
         return time.perf_counter() - started
     finally:
@@ -254,7 +272,7 @@ def line(
     )
 
 
-async def main(n_tokens: int, runs: int) -> None:
+async def main(n_tokens: int, runs: int, before: str | None = None) -> None:
     url = await asyncio.to_thread(database_url)
     started = time.perf_counter()
     workload = make_workload(n_tokens)
@@ -274,46 +292,84 @@ async def main(n_tokens: int, runs: int) -> None:
     )
     dbs = Databases(url)
     await dbs.setup()
+    # The log of an earlier revision, written by this writer without its per-batch check (the
+    # one thing the writer does differently since migration 0017: a no-op round trip instead).
+    old = Databases(url) if before else None
+    if old is not None and before is not None:
+        await old.setup(before)
     try:
-        write_ours, write_raw = [], []
+        writes: dict[str, list[float]] = {"ours": [], "raw": [], "before": []}
         for run in range(runs):
-            # Alternate which goes first, so neither always gets the warmer server.
-            order = [("ours", write_with_writer), ("raw", write_with_raw_copy)]
-            for name, write in order if run % 2 == 0 else order[::-1]:
-                seconds = await write(await dbs.fresh(), workload)
-                (write_ours if name == "ours" else write_raw).append(seconds)
-        reads: dict[str, list[float]] = {
-            k: [] for k in ("session", "session raw", "all", "all raw")
-        }
-        read_url = await dbs.fresh()
-        await write_with_writer(read_url, workload)
-        async with await EventStore.open(read_url) as store:
-            raw_conn = await asyncpg.connect(asyncpg_dsn(read_url))
-            try:
-                for _ in range(runs):
-                    for key, work in (
-                        ("session", lambda: read_sessions(store, workload.sessions)),
-                        ("session raw", lambda: read_sessions_raw(raw_conn, workload.sessions)),
-                        ("all", lambda: read_all(store)),
-                        ("all raw", lambda: read_all_raw(raw_conn)),
-                    ):
-                        seconds, tokens = await timed(work)
-                        assert tokens == workload.n_tokens, (key, tokens)
-                        reads[key].append(seconds)
-            finally:
-                await raw_conn.close()
+            # Rotate which goes first, so none always gets the warmer server.
+            order = [("ours", write_with_writer, dbs), ("raw", write_with_raw_copy, dbs)]
+            if old is not None:
+                order.append(("before", write_unchecked, old))
+            turn = run % len(order)
+            for name, write, databases in order[turn:] + order[:turn]:
+                writes[name].append(await write(await databases.fresh(), workload))
+        reads = {key: await measure_reads(dbs, workload, runs) for key in ("ours",)}
+        if old is not None:
+            reads["before"] = await measure_reads(old, workload, runs, write_unchecked)
     finally:
         await dbs.drop_all()
+        if old is not None:
+            await old.drop_all()
 
     print(f"medians of {runs} runs; ratio = raw time / trajstore time (1.00x = as fast as raw)")
-    print(line("write", write_ours, write_raw, workload.n_tokens))
-    print(line("read_session", reads["session"], reads["session raw"], workload.n_tokens))
-    print(line("read_all", reads["all"], reads["all raw"], workload.n_tokens))
+    for label, key in [("trajstore", "ours")] + ([(f"{before}", "before")] if old else []):
+        print(f"-- {label}")
+        r = reads[key]
+        print(line("write", writes[key], writes["raw"], workload.n_tokens))
+        print(line("read_session", r["session"], r["session raw"], workload.n_tokens))
+        print(line("read_all", r["all"], r["all raw"], workload.n_tokens))
+
+
+async def write_unchecked(url: str, workload: Workload) -> float:
+    """`write_with_writer` on a log without `trajstore_check_keys` (before migration 0017)."""
+    checked = queries.CHECK_KEYS
+    queries.CHECK_KEYS = "SELECT $1::text[], $2::int8[], $3::int8[]"
+    try:
+        return await write_with_writer(url, workload)
+    finally:
+        queries.CHECK_KEYS = checked
+
+
+async def measure_reads(
+    dbs: Databases,
+    workload: Workload,
+    runs: int,
+    write: Callable[[str, Workload], Awaitable[float]] = write_with_writer,
+) -> dict[str, list[float]]:
+    """Seconds of each read, ours and raw alternately, on a fresh store that `write` filled."""
+    reads: dict[str, list[float]] = {k: [] for k in ("session", "session raw", "all", "all raw")}
+    read_url = await dbs.fresh()
+    await write(read_url, workload)
+    async with await EventStore.open(read_url) as store:
+        raw_conn = await asyncpg.connect(asyncpg_dsn(read_url))
+        try:
+            for _ in range(runs):
+                for key, work in (
+                    ("session", lambda: read_sessions(store, workload.sessions)),
+                    ("session raw", lambda: read_sessions_raw(raw_conn, workload.sessions)),
+                    ("all", lambda: read_all(store)),
+                    ("all raw", lambda: read_all_raw(raw_conn)),
+                ):
+                    seconds, tokens = await timed(work)
+                    assert tokens == workload.n_tokens, (key, tokens)
+                    reads[key].append(seconds)
+        finally:
+            await raw_conn.close()
+    return reads
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1_000_000, help="tokens to write per run")
     parser.add_argument("--runs", type=int, default=7, help="runs per measurement")
+    parser.add_argument(
+        "--before",
+        metavar="REVISION",
+        help="also measure the log migrated to REVISION (0016_lineages: before migration 0017)",
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.tokens, args.runs))
+    asyncio.run(main(args.tokens, args.runs, args.before))

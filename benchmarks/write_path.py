@@ -35,13 +35,14 @@ from ingest import (  # benchmarks/ is on sys.path when this runs as a script
     Workload,
     create_raw_table,
     make_workload,
+    write_unchecked,
     write_with_writer,
 )
 
 from trajstore.store.connection import connect
 from trajstore.store.embedded import database_url
-from trajstore.store.queries import INSERT_COLUMNS
-from trajstore.store.writer import copy_row
+from trajstore.store.queries import CHECK_KEYS, INSERT_COLUMNS
+from trajstore.store.writer import copy_row, stream_runs
 
 #: Statements that switch every trigger on the partitions' parent and on each partition off
 #: except those named in $1 (ALTER TABLE ... DISABLE TRIGGER on a partitioned table does not
@@ -117,23 +118,11 @@ class Shape:
     name: str
     setup: list[str]
     target: str = "events"  # or "today": today's partition; or "raw": create_raw_table's
+    check: bool = False  # call trajstore_check_keys before each COPY, as the writer does
 
 
 _NO_TRIGGERS = DISABLE_TRIGGERS.format(names=f"{GUARD_TRIGGERS},{NOTIFY_TRIGGERS}")
-
-SHAPES = [
-    Shape("log (as EventWriter COPYs)", []),
-    Shape("  event_keys without (stream, version)", [EVENT_KEYS_WITHOUT_STREAM_KEY]),
-    Shape(
-        "  event_keys without unique indexes",
-        [EVENT_KEYS_WITHOUT_STREAM_KEY, "ALTER TABLE event_keys DROP CONSTRAINT pk_event_keys"],
-    ),
-    Shape("  guard reads its transition table only", [GUARD_DOES_NOTHING]),
-    Shape(
-        "  keys unique in today's partition instead",
-        [DISABLE_TRIGGERS.format(names=GUARD_TRIGGERS), *PARTITION_UNIQUE_KEYS],
-    ),
-    Shape("- uniqueness guard", [DISABLE_TRIGGERS.format(names=GUARD_TRIGGERS)]),
+_TAIL = [
     Shape("- NOTIFY triggers", [_NO_TRIGGERS]),
     Shape("- routing (into today's partition)", [_NO_TRIGGERS], target="today"),
     Shape(
@@ -147,6 +136,49 @@ SHAPES = [
         target="today",
     ),
     Shape(f"raw: plain table, {len(RAW_INDEXES)} indexes", [], target="raw"),
+]
+
+#: The partitions' own unique keys (migration 0017), dropped.
+DROP_PARTITION_UNIQUE_KEYS = """
+DO $$
+DECLARE
+    name text;
+BEGIN
+    FOR name IN SELECT x.indexrelid::regclass::text FROM pg_index x
+                JOIN pg_inherits i ON i.inhrelid = x.indrelid
+                WHERE i.inhparent = 'events'::regclass AND x.indisunique AND NOT x.indisprimary
+    LOOP
+        EXECUTE format('DROP INDEX %s', name);
+    END LOOP;
+END
+$$"""
+
+#: The log since migration 0017: unique keys per partition, the writer's per-batch check.
+SHAPES = [
+    Shape("log (as EventWriter: check, COPY)", [], check=True),
+    Shape("- the batch's check (trigger off)", [DISABLE_TRIGGERS.format(names=GUARD_TRIGGERS)]),
+    Shape(
+        "- the partition's unique keys",
+        [DISABLE_TRIGGERS.format(names=GUARD_TRIGGERS), DROP_PARTITION_UNIQUE_KEYS],
+    ),
+    *_TAIL,
+]
+
+#: The log of migrations 0013-0016 (`--revision 0016_lineages`): keys in `event_keys`.
+SHAPES_0016 = [
+    Shape("log (as EventWriter COPYs)", []),
+    Shape("  event_keys without (stream, version)", [EVENT_KEYS_WITHOUT_STREAM_KEY]),
+    Shape(
+        "  event_keys without unique indexes",
+        [EVENT_KEYS_WITHOUT_STREAM_KEY, "ALTER TABLE event_keys DROP CONSTRAINT pk_event_keys"],
+    ),
+    Shape("  guard reads its transition table only", [GUARD_DOES_NOTHING]),
+    Shape(
+        "  keys unique in today's partition instead",
+        [DISABLE_TRIGGERS.format(names=GUARD_TRIGGERS), *PARTITION_UNIQUE_KEYS],
+    ),
+    Shape("- uniqueness guard", [DISABLE_TRIGGERS.format(names=GUARD_TRIGGERS)]),
+    *_TAIL,
 ]
 
 
@@ -180,12 +212,13 @@ async def copy_batches(url: str, shape: Shape, rows: list[tuple[object, ...]]) -
             table = await create_raw_table(conn)
         copying = committing = 0.0
         for i in range(0, len(rows), BATCH_SIZE):
+            batch = rows[i : i + BATCH_SIZE]
             started = time.perf_counter()
             tx = conn.transaction()
             await tx.start()
-            await conn.copy_records_to_table(
-                table, records=rows[i : i + BATCH_SIZE], columns=INSERT_COLUMNS
-            )
+            if shape.check:
+                await conn.execute(CHECK_KEYS, *stream_runs(batch))
+            await conn.copy_records_to_table(table, records=batch, columns=INSERT_COLUMNS)
             copied = time.perf_counter()
             await tx.commit()
             copying += copied - started
@@ -195,7 +228,8 @@ async def copy_batches(url: str, shape: Shape, rows: list[tuple[object, ...]]) -
         await conn.close()
 
 
-async def main(n_tokens: int, runs: int) -> None:
+async def main(n_tokens: int, runs: int, revision: str) -> None:
+    shapes = SHAPES if revision == "head" else SHAPES_0016
     url = await asyncio.to_thread(database_url)
     workload: Workload = make_workload(n_tokens)
     rows = [
@@ -208,12 +242,13 @@ async def main(n_tokens: int, runs: int) -> None:
     batches = -(-len(rows) // BATCH_SIZE)
     print(f"{len(rows)} chunk events ({workload.n_tokens} tokens) in {batches} batches a run")
     dbs = Databases(url)
-    await dbs.setup()
-    timings: dict[str, list[Timing]] = {s.name: [] for s in SHAPES}
+    await dbs.setup(revision)
+    print(f"the store migrated to {revision}")
+    timings: dict[str, list[Timing]] = {s.name: [] for s in shapes}
     writer: list[float] = []
     try:
         work: list[tuple[str, Callable[[str], Awaitable[None]]]] = []
-        for shape in SHAPES:
+        for shape in shapes:
 
             async def measure(db: str, shape: Shape = shape) -> None:
                 timings[shape.name].append(await copy_batches(db, shape, rows))
@@ -221,7 +256,8 @@ async def main(n_tokens: int, runs: int) -> None:
             work.append((shape.name, measure))
 
         async def measure_writer(db: str) -> None:
-            writer.append(await write_with_writer(db, workload))
+            write = write_with_writer if revision == "head" else write_unchecked
+            writer.append(await write(db, workload))
 
         work.append(("writer", measure_writer))
         for run in range(runs):
@@ -232,10 +268,10 @@ async def main(n_tokens: int, runs: int) -> None:
     finally:
         await dbs.drop_all()
 
-    raw = statistics.median(t.total for t in timings[SHAPES[-1].name])
+    raw = statistics.median(t.total for t in timings[shapes[-1].name])
     print(f"medians of {runs} runs, milliseconds per batch of {BATCH_SIZE}; x raw = time / raw's")
     print(f"{'shape':<40} {'COPY':>7} {'COMMIT':>7} {'total':>7} {'x raw':>6}")
-    for shape in SHAPES:
+    for shape in shapes:
         ts = timings[shape.name]
         copy = statistics.median(t.copy for t in ts) / batches * 1e3
         commit = statistics.median(t.commit for t in ts) / batches * 1e3
@@ -255,5 +291,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=500_000, help="tokens to write per run")
     parser.add_argument("--runs", type=int, default=5, help="runs per shape")
+    parser.add_argument(
+        "--revision",
+        default="head",
+        help="migrate the store to this revision (0016_lineages: the log before migration 0017)",
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.tokens, args.runs))
+    asyncio.run(main(args.tokens, args.runs, args.revision))
