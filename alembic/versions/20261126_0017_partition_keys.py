@@ -15,7 +15,7 @@ measured it as most of what the writer paid over a raw COPY). Now:
 
 It keeps what `event_keys` holds (every key so far): a log with events is sealed through the
 start of today, an empty one through -infinity. The unique indexes are built under the lock
-on `events` (appends wait: about 1 s per million events measured here).
+on `events` (appends wait: about 4 s per million events, `benchmarks/partitions.py`).
 
 Revision ID: 0017_partition_keys
 Revises: 0016_lineages
