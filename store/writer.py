@@ -236,11 +236,15 @@ class EventWriter:
         check_stream_id(stream_id)
         if first_version < 1:
             raise BadEvent(f"stream versions start at 1, got {first_version}")
-        rows = []
-        for version, event in enumerate(events, start=first_version):
+        for event in events:
             if not isinstance(event, NewEvent):
                 raise BadEvent(f"the writer takes NewEvent objects, got {type(event).__name__}")
-            rows.append(copy_row(stream_id, version, event))
+        # `copy_row`, written out: one comprehension is half the time of a call per event.
+        rows = [
+            (e.event_id, stream_id, version, e.session_id, e.run_id, e.type, e.payload_json,
+             e.token_bytes, e.logprob_bytes)
+            for version, e in enumerate(events, start=first_version)
+        ]  # fmt: skip
         self._queue.extend(rows)
         self._enqueued += len(rows)
         self._arrivals.append((self._enqueued, time.monotonic()))
