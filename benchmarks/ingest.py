@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import asyncpg
 import numpy as np
@@ -307,9 +308,10 @@ async def main(n_tokens: int, runs: int, before: str | None = None) -> None:
             turn = run % len(order)
             for name, write, databases in order[turn:] + order[:turn]:
                 writes[name].append(await write(await databases.fresh(), workload))
-        reads = {key: await measure_reads(dbs, workload, runs) for key in ("ours",)}
+        stores: list[tuple[str, Databases, Writes]] = [("ours", dbs, write_with_writer)]
         if old is not None:
-            reads["before"] = await measure_reads(old, workload, runs, write_unchecked)
+            stores.append(("before", old, write_unchecked))
+        reads = await measure_reads(stores, workload, runs)
     finally:
         await dbs.drop_all()
         if old is not None:
@@ -334,31 +336,41 @@ async def write_unchecked(url: str, workload: Workload) -> float:
         queries.CHECK_KEYS = checked
 
 
+#: A way to write the workload to a store: seconds it took.
+Writes = Callable[[str, Workload], Awaitable[float]]
+
+
 async def measure_reads(
-    dbs: Databases,
+    stores: list[tuple[str, Databases, Writes]],
     workload: Workload,
     runs: int,
-    write: Callable[[str, Workload], Awaitable[float]] = write_with_writer,
-) -> dict[str, list[float]]:
-    """Seconds of each read, ours and raw alternately, on a fresh store that `write` filled."""
-    reads: dict[str, list[float]] = {k: [] for k in ("session", "session raw", "all", "all raw")}
-    read_url = await dbs.fresh()
-    await write(read_url, workload)
-    async with await EventStore.open(read_url) as store:
-        raw_conn = await asyncpg.connect(asyncpg_dsn(read_url))
-        try:
-            for _ in range(runs):
-                for key, work in (
-                    ("session", lambda: read_sessions(store, workload.sessions)),
-                    ("session raw", lambda: read_sessions_raw(raw_conn, workload.sessions)),
-                    ("all", lambda: read_all(store)),
-                    ("all raw", lambda: read_all_raw(raw_conn)),
+) -> dict[str, dict[str, list[float]]]:
+    """Seconds of each read, ours and raw, on a fresh store of each kind that its writer filled;
+    the stores take turns within every run, so a busier minute weighs on all of them."""
+    reads: dict[str, dict[str, list[float]]] = {}
+    opened = []
+    try:
+        for key, databases, write in stores:
+            url = await databases.fresh()
+            await write(url, workload)
+            store = await EventStore.open(url)
+            opened.append((key, store, await asyncpg.connect(asyncpg_dsn(url))))
+            reads[key] = {k: [] for k in ("session", "session raw", "all", "all raw")}
+        for _ in range(runs):
+            for key, store, raw_conn in opened:
+                for name, work in (
+                    ("session", partial(read_sessions, store, workload.sessions)),
+                    ("session raw", partial(read_sessions_raw, raw_conn, workload.sessions)),
+                    ("all", partial(read_all, store)),
+                    ("all raw", partial(read_all_raw, raw_conn)),
                 ):
                     seconds, tokens = await timed(work)
-                    assert tokens == workload.n_tokens, (key, tokens)
-                    reads[key].append(seconds)
-        finally:
+                    assert tokens == workload.n_tokens, (name, tokens)
+                    reads[key][name].append(seconds)
+    finally:
+        for _, store, raw_conn in opened:
             await raw_conn.close()
+            await store.close()
     return reads
 
 
