@@ -54,18 +54,27 @@ RETURNING event_id, position
 #: Serialises appends with ExpectedVersion.ANY to one stream until the transaction ends.
 LOCK_STREAM = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))"
 
-# Event ids and stream versions are unique across partitions in `event_keys` (`store.schema`),
-# which also remembers each stream's last version after its events were archived.
-STREAM_VERSION = "SELECT coalesce(max(stream_version), 0) FROM event_keys WHERE stream_id = $1"
-
-FIND_EVENTS = """
-SELECT k.event_id, e.position, k.stream_id, k.stream_version
-FROM event_keys k
-JOIN events e ON e.stream_id = k.stream_id AND e.stream_version = k.stream_version
-WHERE k.event_id = ANY($1::uuid[])
+# Each day's partition holds its own unique keys; `event_keys` holds those of the days sealed
+# since (and each archived stream's last version): a stream's version is the higher of the two.
+STREAM_VERSION = """
+SELECT greatest(
+    (SELECT max(stream_version) FROM event_keys WHERE stream_id = $1),
+    (SELECT max(stream_version) FROM events WHERE stream_id = $1),
+    0
+)
 """
 
-EXISTING_EVENT_IDS = "SELECT event_id FROM event_keys WHERE event_id = ANY($1::uuid[])"
+#: Stored events by id, from every partition's unique index on `event_id`.
+FIND_EVENTS = """
+SELECT event_id, position, stream_id, stream_version FROM events
+WHERE event_id = ANY($1::uuid[])
+"""
+
+EXISTING_EVENT_IDS = "SELECT event_id FROM events WHERE event_id = ANY($1::uuid[])"
+
+#: The writer's uniqueness check of a batch before its COPY (`store.schema`, CHECK_KEYS_FUNCTION):
+#: its streams' runs of consecutive versions, ($1 stream, $2 first, $3 last version) each.
+CHECK_KEYS = "SELECT trajstore_check_keys($1::text[], $2::int8[], $3::int8[])"
 
 READ_STREAM = f"""
 SELECT {EVENT_COLUMNS} FROM events
@@ -136,6 +145,15 @@ BEGIN
 END
 $$"""
 
+#: A partition's own unique keys: event ids and (stream, version) are unique within each day
+#: (across days, see `store.schema`). Not declared on `events`: a partitioned table's unique
+#: keys must include its partition key, `recorded_at`, which would make them refuse nothing.
+PARTITION_UNIQUE_KEYS = (
+    "CREATE UNIQUE INDEX uq_events_event_id_{suffix} ON {partition} (event_id)",
+    "CREATE UNIQUE INDEX uq_events_stream_id_stream_version_{suffix} "
+    "ON {partition} (stream_id, stream_version)",
+)
+
 #: The partitions of events with their bounds, oldest first (the default one has no bounds).
 PARTITIONS = """
 SELECT c.relname AS name, pg_get_expr(c.relpartbound, c.oid) AS bound,
@@ -173,6 +191,34 @@ WHERE p.session_id IS NOT NULL
                   AND f.event_type = 'session_finished')
 ORDER BY 1
 """
+
+
+def seal_keys_of(name: str) -> str:
+    """Copy the uniqueness keys of one partition's events into `event_keys` (those already
+    there stay): what sealing a day does, and what archiving does before it detaches one."""
+    return f"""
+INSERT INTO event_keys (event_id, stream_id, stream_version)
+SELECT event_id, stream_id, stream_version FROM {name}
+ON CONFLICT DO NOTHING
+"""
+
+
+#: Every event recorded in [$1, $2) (any partition, the default one too) into `event_keys`.
+SEAL_KEYS_BETWEEN = """
+INSERT INTO event_keys (event_id, stream_id, stream_version)
+SELECT event_id, stream_id, stream_version FROM events
+WHERE recorded_at >= $1 AND recorded_at < $2
+ON CONFLICT DO NOTHING
+"""
+
+#: Up to when events' keys are in `event_keys` (-infinity: none are).
+SEALED_THROUGH = "SELECT coalesce(max(through), '-infinity') FROM event_keys_sealed"
+
+#: Two statements, in one transaction: the table holds one row.
+SET_SEALED_THROUGH = (
+    "DELETE FROM event_keys_sealed",
+    "INSERT INTO event_keys_sealed (through) VALUES ($1)",
+)
 
 
 def forget_keys_of(name: str) -> str:
