@@ -156,6 +156,18 @@ class Sample:
         """Behaviour logprobs (0.0 where the mask is 0)."""
         return self.logprob_array().astype(np.float64).tolist()  # type: ignore[no-any-return]
 
+    def turn_offsets(self) -> list[tuple[int, int, int, int]]:
+        """Each of its turns with where its parts sit, in tokens: (turn, glue start, completion
+        start, completion end). From the runs it was built with, so a reader of a long session
+        never makes a turn's prompt whole to find them."""
+        offsets = []
+        at = 0
+        runs = iter(self._runs)
+        for turn, (glue, _), (completion, _) in zip(self.turns, runs, runs, strict=True):
+            offsets.append((turn, at, at + glue, at + glue + completion))
+            at += glue + completion
+        return offsets
+
     def _add_turn(self, index: int, turn: TurnRecord, choice: ChoiceRecord) -> None:
         self.turns.append(index)
         ids = _packed_ids(choice.token_ids)

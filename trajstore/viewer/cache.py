@@ -42,7 +42,7 @@ class SessionView:
         session = rebuild_session(session_id, events)
         view = cls(session, head, build_samples(session), timeline(session, events))
         for sample in view.samples:
-            for span in turn_spans(sample, session):
+            for span in turn_spans(sample):
                 if sample.alternative_of is None:
                     view.spans[span.turn] = span
                     view.branch_of[span.turn] = sample
