@@ -147,6 +147,7 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
             replica_id=replica_id,
         )
         registry.on_closed.append(forwarder.contexts.forget)
+        metrics.contexts_held.set_function(lambda: forwarder.contexts.held)
         app.state.proxy = ProxyState(
             settings=settings,
             store=store,
