@@ -17,7 +17,9 @@ import pandas as pd
 import pytest
 
 from tests.long_session import COMPLETION, LongSession, record_long_session
+from tests.store.partition_clock import days_ago, days_with_partitions, recorded_on
 from trajstore.store import EventStore
+from trajstore.store.archive import archive
 from trajstore.store.export import export
 from trajstore.store.pages import Page, rebuild_with_lineages, session_pieces
 from trajstore.store.projection import Projector
@@ -104,3 +106,30 @@ async def test_replay_session_prints_a_long_session(long: LongSession, database_
     document = json.loads(done.stdout)
     assert len([e for e in document["timeline"] if e["kind"] == "completion"]) == TURNS
     assert {t["lineage"] for t in document["session"]["turns"]} == set(range(1 + TURNS // 50))
+
+
+async def test_archive_show_rebuilds_a_long_archived_session(
+    store: EventStore, database_url: str, tmp_path: Path
+) -> None:
+    old = days_ago(3)
+    await days_with_partitions(store, old)
+    async with recorded_on(store, old):
+        long = await record_long_session(store, TURNS, side_every=SIDE_EVERY)
+    await archive(store, days_ago(1), tmp_path)
+    assert await store.read_session("long") == []  # only the archive holds it now
+    env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url}
+    command = [sys.executable, "-m", "trajstore", "archive", "show", str(tmp_path), "long"]
+    shown = {}
+    for what in ("samples", "timeline"):
+        done = await asyncio.to_thread(
+            subprocess.run, [*command, "--what", what],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        shown[what] = [json.loads(line) for line in done.stdout.splitlines()]
+    main = shown["samples"][0]
+    assert (main["lineage"], main["role"], main["is_final"]) == (0, "main", True)
+    assert len(main["token_ids"]) == max(long.prompt_tokens) + COMPLETION
+    assert len(shown["samples"]) == 1 + TURNS // SIDE_EVERY
+    completions = [e for e in shown["timeline"] if e["kind"] == "completion"]
+    assert len(completions) == TURNS and completions[49]["lineage"] == 1
