@@ -160,26 +160,29 @@ def _mismatch_table(results: list[TurnMismatch], url: str) -> Table:
 
 
 @dataclass
-class _Gathered:
+class Gathered:
+    """What `replay session` shows: the session, its lineages, its timeline, the mismatch."""
+
     session: SessionRecord
     forest: Forest
     entries: list[Entry]
     mismatch: list[TurnMismatch] | None
 
 
-async def _gather(
+async def gather(
     url: str, session_id: str, as_of: int | None, against: str | None, **engine: Any
-) -> _Gathered:
+) -> Gathered:
+    """Read the session (as of `as_of`) and make what `replay session` shows of it."""
     async with await EventStore.open(url) as store:
         events = await session_events(store, session_id, as_of)
     session, forest = rebuild_with_lineages(session_id, events)
     entries = timeline(session, events, forest.lineage_of)
     del events
     mismatch = None if against is None else await check_session(session, against, **engine)
-    return _Gathered(session, forest, entries, mismatch)
+    return Gathered(session, forest, entries, mismatch)
 
 
-def _json_pieces(gathered: _Gathered, as_of: int | None, against: str | None) -> Iterator[bytes]:
+def json_pieces(gathered: Gathered, as_of: int | None, against: str | None) -> Iterator[bytes]:
     """The JSON document, a piece at a time (a long session's is never held whole)."""
     yield b'{"as_of":' + orjson.dumps(as_of) + b',"session":'
     yield from session_pieces(gathered.session, Page(), forest=gathered.forest)
@@ -232,14 +235,14 @@ def session(
     settings = ctx.find_root().ensure_object(dict).get("settings") or StoreSettings()
     try:
         gathered = asyncio.run(
-            _gather(database_url(settings), session_id, as_of, against,
+            gather(database_url(settings), session_id, as_of, against,
                     model=model, api_key=engine_api_key)
         )  # fmt: skip
     except TrainerError as exc:
         raise click.ClickException(str(exc)) from exc
 
     if as_json:
-        for piece in _json_pieces(gathered, as_of, against):
+        for piece in json_pieces(gathered, as_of, against):
             click.echo(piece, nl=False)
         return
 
