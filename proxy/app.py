@@ -32,9 +32,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import aiohttp
-import orjson
 from fastapi import Depends, FastAPI, Header, Query, Request, WebSocket
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
@@ -61,7 +60,7 @@ from trajstore.proxy.settings import ProxySettings
 from trajstore.proxy.transport import TransportError
 from trajstore.store import EventStore, StoreError
 from trajstore.store.collector import fewer_collections
-from trajstore.store.sessions import rebuild_session
+from trajstore.store.pages import Page, rebuild_with_lineages, session_pieces
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +147,7 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
             replica_id=replica_id,
         )
         registry.on_closed.append(forwarder.contexts.forget)
+        metrics.contexts_held.set_function(lambda: forwarder.contexts.held)
         app.state.proxy = ProxyState(
             settings=settings,
             store=store,
@@ -282,22 +282,32 @@ def _add_routes(app: FastAPI) -> None:
         state: State,
         authorization: Authorization = None,
         turn: Annotated[int | None, Query(ge=0, description="A turn to give whole")] = None,
+        after: Annotated[int, Query(ge=-1, description="Start after this turn")] = -1,
+        limit: Annotated[int | None, Query(ge=1, description="Turns in this page")] = None,
     ) -> Response:
-        """The session as recorded: each turn with what it added to the turn it continues
-        (`prompt_added` after `prompt_prefix`, `messages` after `messages_prefix`, as the log
-        stores them: the answer grows with the session, not its square); with `turn`, that
-        turn also whole (`prompt_token_ids`, all its `messages`)."""
+        """The session as recorded, streamed: each turn with what it added to the turn it
+        continues (`prompt_added` after `prompt_prefix`, `messages` after `messages_prefix`, as
+        the log stores them: the answer grows with the session, not its square) and its
+        `lineage` and `branch`; with `after` and `limit`, a page of turns and `next`, the URL of
+        the page after it; with `turn`, that turn also whole (`prompt_token_ids`, all its
+        `messages`). See `store.pages`."""
         _require_session_key(state, session_id, authorization)
         await state.registry.get(session_id)
         await state.registry.writer.flush()  # show what this replica recorded so far
         events = await state.store.read_session(session_id)
-        record = rebuild_session(session_id, events)
-        view = record.as_json()
-        if turn is not None:
-            if turn >= len(record.turns):
-                raise NotFound(f"session {session_id!r} has {len(record.turns)} turns")
-            view["turns"][turn] = record.turns[turn].as_json(whole=True)
-        return Response(orjson.dumps(view), media_type="application/json")
+        # Rebuilt and its lineages found off the event loop: a long session takes a while.
+        record, forest = await asyncio.to_thread(rebuild_with_lineages, session_id, events)
+        del events
+        if turn is not None and turn >= len(record.turns):
+            raise NotFound(f"session {session_id!r} has {len(record.turns)} turns")
+        page = Page(first=after + 1, limit=limit, whole=turn)
+        next_url = None
+        if limit is not None:
+            last = page.end(len(record.turns)) - 1
+            next_url = f"{state.public_url}/sessions/{session_id}?after={last}&limit={limit}"
+        pieces = session_pieces(record, page, next_url, forest)
+        # A sync iterator: Starlette writes it from a thread, a piece at a time.
+        return StreamingResponse(pieces, media_type="application/json")
 
     @app.post("/sessions/{session_id}/reward")
     async def reward(

@@ -79,7 +79,7 @@ class Forwarder:
         self.turn_in_log = turn_in_log
         # The turns of each session, by lineage: a prompt can be stored as a reference plus new
         # tokens, and continued from the ids of the turn it continues (proxy.lineages).
-        self.contexts = PromptContexts()
+        self.contexts = PromptContexts(settings.context_bytes)
         self.continuer = Continuer(
             enabled=settings.continuation == "tokens",
             headers=self._headers(None),

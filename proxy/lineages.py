@@ -15,8 +15,9 @@ Turns that extend each other form a *chain* (a lineage as this replica saw it): 
 last turn keeps its whole prompt; an earlier turn's prompt is the start of it. A chain costs its
 last prompt plus its completions, not the square of its turns.
 
-Bounded: `PromptContexts` holds at most `max_bytes` (the least recently used sessions go first),
-and a finished or discarded session is forgotten at once. What is forgotten is read back from the
+Bounded: `PromptContexts` holds at most `max_bytes` (the least recently used sessions go first;
+one session at most half of it, its oldest turns going first), and a finished or discarded
+session is forgotten at once. What is forgotten is read back from the
 log when a request needs it (`proxy.continuation.turn_in_log`), as on another replica or after a
 restart: slower, never wrong.
 """
@@ -27,7 +28,7 @@ import asyncio
 import hashlib
 import logging
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -127,15 +128,18 @@ class Chain:
     whole prompt. It also keeps when its continuation was last audited, and whether an audit
     turned continuation off for it (`proxy.continuation`)."""
 
-    turns: list[Turn] = field(default_factory=list)
+    head: Turn  #: its last turn (kept while a request holds one of its turns, even if trimmed)
+    turns: deque[Turn] = field(default_factory=deque)  #: those still remembered, oldest first
     since_audit: int = 0  #: turns continued since its last audit
     audited_at: int = 0  #: prompt tokens at its last audit (0: never audited)
     off: str | None = None  #: why continuation is off for this lineage
+    remembered: bool = True  #: False once `SessionTurns.trim` forgot its last turn
 
-    @property
-    def head(self) -> Turn:
-        """Its last turn."""
-        return self.turns[-1]
+    def append(self, turn: Turn) -> None:
+        """A turn that extends its head: the new head."""
+        self.turns.append(turn)
+        self.head = turn
+        turn.chain = self
 
 
 class SessionTurns:
@@ -147,6 +151,7 @@ class SessionTurns:
         self.images: frozenset[str] = frozenset()  #: images recorded for the session here
         self._by_key: dict[tuple[int, bytes], list[Turn]] = {}
         self._heads: dict[int, int] = {}  # the lineages' last turns' messages lengths: how many
+        self._order: deque[Turn] = deque()  # every remembered turn, oldest first
         self.size = 0
 
     def add(
@@ -161,22 +166,44 @@ class SessionTurns:
         its request continued or looked like (a chain of its own keeps the parent's audit
         verdict)."""
         chain = extends.chain if extends is not None else None
-        if chain is not None and chain.head is extends and turn.held_prompt is not None:
+        joins = chain is not None and chain.remembered and chain.head is extends
+        if chain is not None and joins and turn.held_prompt is not None:
             assert extends is not None
             self.size -= len(extends.held_prompt or b"")
             extends.held_prompt = None  # the new last turn's prompt holds it
             self._count_head(extends.messages_len, -1)
+            chain.append(turn)
         else:
-            chain = Chain()
+            chain = Chain(turn, deque([turn]))
+            turn.chain = chain
             if parent is not None and parent.chain is not None:
                 chain.off = parent.chain.off
             self.chains.append(chain)
-        chain.turns.append(turn)
-        turn.chain = chain
         self._count_head(turn.messages_len, +1)
         self._by_key.setdefault((turn.messages_len, turn.messages_key), []).append(turn)
+        self._order.append(turn)
         self.latest = turn
         self.size += turn.size
+
+    def trim(self, max_bytes: int) -> None:
+        """Forget the oldest turns until the session holds at most `max_bytes` (the latest turn
+        stays): a session of many thousands of turns, or of thousands of one-call lineages,
+        stays within its share of the replica's budget. A request that continues a forgotten
+        turn finds it in the log (`turn_in_log`), as after a restart."""
+        while self.size > max_bytes and len(self._order) > 1:
+            turn = self._order.popleft()
+            self.size -= turn.size
+            same = self._by_key[turn.messages_len, turn.messages_key]
+            same.remove(turn)
+            if not same:
+                del self._by_key[turn.messages_len, turn.messages_key]
+            chain = turn.chain
+            assert chain is not None and chain.turns[0] is turn  # a chain's turns come in order
+            chain.turns.popleft()
+            if chain.head is turn:  # every earlier turn of its chain went first
+                self._count_head(turn.messages_len, -1)
+                chain.remembered = False
+                self.chains.remove(chain)
 
     def _count_head(self, length: int, by: int) -> None:
         count = self._heads.get(length, 0) + by
@@ -242,6 +269,7 @@ class PromptContexts:
         turns = self.get(session_id)
         self._bytes -= turns.size
         turns.add(turn, extends, parent=parent)
+        turns.trim(self.max_bytes // 2)  # one session never takes the whole budget
         self._bytes += turns.size
         while self._bytes > self.max_bytes and len(self._sessions) > 1:
             _, dropped = self._sessions.popitem(last=False)

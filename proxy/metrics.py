@@ -74,6 +74,11 @@ class ProxyMetrics:
         self.sessions_cached = Gauge(
             "trajstore_sessions_cached", "Sessions this replica holds in memory", registry=r
         )
+        self.contexts_held = Gauge(
+            "trajstore_context_bytes",
+            "Bytes of sessions' remembered turns this replica holds (`TRAJSTORE_CONTEXT_BYTES`)",
+            registry=r,
+        )
         self.loop_lag = Gauge(
             "trajstore_event_loop_lag_seconds", "Latest event-loop delay observed", registry=r
         )

@@ -103,6 +103,14 @@ class ProxySettings(BaseSettings):
         description="How much a conversation must have grown since its last audit before the "
         "next (0.5: by half), so that audits cost a flat share of each turn at any length.",
     )
+    context_bytes: int = Field(
+        default=256 << 20,
+        ge=1 << 20,
+        description="Bytes of the sessions' remembered turns (what token-in continuation and "
+        "prompts stored as references need) a replica keeps; past it, the least recently used "
+        "sessions go first, and one session keeps at most half of it (its oldest turns go "
+        "first). What went is read back from the log when a request needs it.",
+    )
     session_idle_timeout: float = Field(
         default=3600.0,
         ge=0,

@@ -371,10 +371,7 @@ def rebuild_archived_session(
     if not events:
         raise SessionNotFound(f"no session {session_id!r} in the archive {out} or the store")
     events.sort(key=lambda e: (e.tx_id, e.position))
-    packed = rebuild_session(session_id, events, packed=True)
-    return RebuiltSession(
-        session=rebuild_session(session_id, events),
-        samples=build_samples(packed),
-        timeline=timeline(rebuild_session(session_id, events), events),
-        events=events,
-    )
+    session = rebuild_session(session_id, events)
+    samples = build_samples(rebuild_session(session_id, events, packed=True))
+    lineage_of = {t: s.lineage for s in samples if s.alternative_of is None for t in s.turns}
+    return RebuiltSession(session, samples, timeline(session, events, lineage_of), events)

@@ -398,9 +398,9 @@ def archive(ctx: click.Context, before: Any, out: Path | None, keep: bool) -> No
 )
 @click.pass_context
 def archive_show(ctx: click.Context, directory: Path, session_id: str, what: str) -> None:
-    """Rebuild SESSION_ID from the archive in DIRECTORY (and the log's later events), as JSON."""
-    import dataclasses
-    import json
+    """Rebuild SESSION_ID from the archive in DIRECTORY (and the log's later events), as JSON
+    Lines: one timeline entry, or one sample, a line (written as they go)."""
+    import orjson
 
     from trajstore.store import archive as archiving
 
@@ -409,11 +409,7 @@ def archive_show(ctx: click.Context, directory: Path, session_id: str, what: str
         rebuilt = archiving.rebuild_archived_session(directory, session_id, live)
         items = rebuilt.timeline if what == "timeline" else rebuilt.samples
         for item in items:
-            record = {
-                k: (v.hex() if isinstance(v, bytes) else v)
-                for k, v in dataclasses.asdict(item).items()
-            }
-            click.echo(json.dumps(record, default=str))
+            click.echo(orjson.dumps(item.as_json(), default=str))
 
     _run_with_store(ctx, run)
 

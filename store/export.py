@@ -2,9 +2,10 @@
 
 A record is what a trainer outside trajstore needs: token ids, loss mask, behaviour logprobs,
 reward, the conversation (the messages of the sample's last request and the model's reply),
-lengths, tool turns, finish reason, and provenance (run, session, task, group, branch, the
-requests it came from, engines, policy versions, projection version, divergence). Parquet files
-read back with `pandas.read_parquet` and `datasets.load_dataset("parquet", ...)`.
+lengths, tool turns, finish reason, and provenance (run, session, task, group, lineage with
+its role and the lineage it forked from and where, branch, the requests it came from, engines,
+policy versions, projection version, divergence). Parquet files read back with
+`pandas.read_parquet` and `datasets.load_dataset("parquet", ...)`.
 
 Images: the `images` column lists a sample's images in order, each with its sha256, source
 (data or url), url, media type and the [start, end) of its placeholder ids in `token_ids`
@@ -60,6 +61,10 @@ SCHEMA = pa.schema(
         ("session_id", pa.string()),
         ("task_id", pa.string()),
         ("group_id", pa.string()),
+        ("lineage", pa.int32()),  # which conversation of the session (`store.lineages`)
+        ("role", pa.string()),  # its lineage's: main | subagent | side
+        ("parent", pa.int32()),  # the lineage it forked from (null: a root)
+        ("fork_at", pa.int32()),  # tokens it shares with that lineage
         ("branch", pa.int32()),
         ("alternative_of", pa.int32()),
         ("is_final", pa.bool_()),
@@ -98,9 +103,9 @@ async def records(
     batch_size: int = 500,
     archive: Path | None = None,
 ) -> AsyncIterator[list[dict[str, Any]]]:
-    """The export's records, a batch at a time, in (run, session, branch) order; the messages
-    of archived requests from `archive` (`_conversations`)."""
-    after: tuple[str, str, int, str] = ("", "", -1, "")
+    """The export's records, a batch at a time, in (run, session, lineage, branch) order; the
+    messages of archived requests from `archive` (`_conversations`)."""
+    after: tuple[str, str, int, int, str] = ("", "", -1, -1, "")
     while True:
         rows = await store.pool.fetch(
             queries.READ_EXPORT, runs or None, statuses or None, *after, batch_size
@@ -110,7 +115,10 @@ async def records(
         conversations = await _conversations(store, [_last_request(r) for r in rows], archive)
         yield [_record(row, conversations) for row in rows]
         last = rows[-1]
-        after = (last["run_id"] or "", last["session_id"], last["branch"], last["order_key"])
+        after = (
+            last["run_id"] or "", last["session_id"], last["lineage"], last["branch"],
+            last["order_key"],
+        )  # fmt: skip
 
 
 async def _conversations(
@@ -178,6 +186,10 @@ def _record(row: Any, conversations: dict[str, Any]) -> dict[str, Any]:
         "session_id": row["session_id"],
         "task_id": row["task_id"],
         "group_id": row["group_id"],
+        "lineage": row["lineage"],
+        "role": row["role"],
+        "parent": row["parent"],
+        "fork_at": row["fork_at"],
         "branch": row["branch"],
         "alternative_of": row["alternative_of"],
         "is_final": row["is_final"],

@@ -326,14 +326,15 @@ WHERE s.projection_version = {SERVED_SAMPLES_VERSION}
 
 COUNT_EXPORT = "SELECT count(*) " + _EXPORT_FILTER
 
-#: Keyset pages in (run, session, branch, sample id) order.
+#: Keyset pages in (run, session, lineage, branch, sample id) order.
 READ_EXPORT = (
     "SELECT s.*, s.sample_id::text AS order_key "
     + _EXPORT_FILTER
     + """
-  AND (coalesce(s.run_id, ''), s.session_id, s.branch, s.sample_id::text) > ($3, $4, $5, $6)
-ORDER BY coalesce(s.run_id, ''), s.session_id, s.branch, s.sample_id::text
-LIMIT $7
+  AND (coalesce(s.run_id, ''), s.session_id, s.lineage, s.branch, s.sample_id::text)
+      > ($3, $4, $5, $6, $7)
+ORDER BY coalesce(s.run_id, ''), s.session_id, s.lineage, s.branch, s.sample_id::text
+LIMIT $8
 """
 )
 

@@ -218,9 +218,10 @@ class SessionRecord:
         """The last reward assigned (a later assignment corrects an earlier one)."""
         return float(self.rewards[-1]["value"]) if self.rewards else None
 
-    def as_json(self) -> dict[str, Any]:
-        """A JSON-able view of the whole session."""
-        return {
+    def as_json(self, *, turns: bool = True) -> dict[str, Any]:
+        """A JSON-able view of the whole session (without its turns when not `turns`: a
+        long session's answer is written a page at a time, `store.pages`)."""
+        view = {
             "session_id": self.session_id,
             "run_id": self.run_id,
             "task_id": self.task_id,
@@ -233,11 +234,13 @@ class SessionRecord:
             "discarded": self.discarded,
             "reward": self.reward,
             "rewards": self.rewards,
-            "turns": [t.as_json() for t in self.turns],
             "main_lineage": self.main_lineage,
             "n_events": self.n_events,
             "images": self.images,
         }
+        if turns:
+            view["turns"] = [t.as_json() for t in self.turns]
+        return view
 
 
 def _ints(packed: bytes | bytearray) -> list[int]:

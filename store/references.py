@@ -62,15 +62,15 @@ class Prompts:
         ok: dict[str, bool] = {}
         failed: dict[str, str] = {}
         for request_id in self._prompts:
-            chain = []
+            chain: dict[str, None] = {}  # in order, and a loop found in constant time
             at: str | None = request_id
             while at is not None and at not in ok:
                 if at in chain or at not in self._prompts:
                     break  # a loop, or a request the session's events do not hold
-                chain.append(at)
+                chain[at] = None
                 at = self._prompts[at].source
             good = at is None or ok.get(at, False)
-            for link in reversed(chain):
+            for link in reversed(chain.keys()):
                 prompt = self._prompts[link]
                 if good and prompt.source is not None:
                     source = self._prompts[prompt.source]
@@ -144,15 +144,15 @@ class Messages:
     def whole(self, request_id: str) -> list[Any] | None:
         """The request's whole messages, or None when they cannot be made whole (a referenced
         request missing, with another count of messages, or a loop): never a guess."""
-        chain = []
+        chain: dict[str, None] = {}  # in order, and a loop found in constant time
         at: str | None = request_id
         while at is not None:
             if at in chain or at not in self._messages:
                 return None
-            chain.append(at)
+            chain[at] = None
             at = self._messages[at].source
         whole: list[Any] = []
-        for link in reversed(chain):
+        for link in reversed(chain.keys()):
             messages = self._messages[link]
             if messages.added is None or (messages.source and len(whole) != messages.count):
                 return None
@@ -173,15 +173,15 @@ class Messages:
         self._lengths = lengths
         failed: dict[str, str] = {}
         for request_id in self._messages:
-            chain = []
+            chain: dict[str, None] = {}
             at: str | None = request_id
             while at is not None and at not in lengths:
                 if at in chain or at not in self._messages:
                     break
-                chain.append(at)
+                chain[at] = None
                 at = self._messages[at].source
             length = 0 if at is None else lengths.get(at)
-            for link in reversed(chain):
+            for link in reversed(chain.keys()):
                 messages = self._messages[link]
                 if messages.added is None or (
                     messages.source is not None and length != messages.count

@@ -156,6 +156,40 @@ class Sample:
         """Behaviour logprobs (0.0 where the mask is 0)."""
         return self.logprob_array().astype(np.float64).tolist()  # type: ignore[no-any-return]
 
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-able view: what the export writes of it, without the session it came from."""
+        return {
+            "sample_id": str(self.sample_id),
+            "session_id": self.session.session_id,
+            "lineage": self.lineage,
+            "role": self.role,
+            "parent": self.parent,
+            "fork_at": self.fork_at,
+            "branch": self.branch,
+            "alternative_of": self.alternative_of,
+            "is_final": self.is_final,
+            "turns": self.turns,
+            "prompt_len": self.prompt_len,
+            "response_len": self.response_len,
+            "finish_reason": self.finish_reason,
+            "divergence": None if self.divergence is None else self.divergence.as_json(),
+            "token_ids": self.token_ids,
+            "loss_mask": self.loss_mask,
+            "logprobs": self.logprobs,
+        }
+
+    def turn_offsets(self) -> list[tuple[int, int, int, int]]:
+        """Each of its turns with where its parts sit, in tokens: (turn, glue start, completion
+        start, completion end). From the runs it was built with, so a reader of a long session
+        never makes a turn's prompt whole to find them."""
+        offsets = []
+        at = 0
+        runs = iter(self._runs)
+        for turn, (glue, _), (completion, _) in zip(self.turns, runs, runs, strict=True):
+            offsets.append((turn, at, at + glue, at + glue + completion))
+            at += glue + completion
+        return offsets
+
     def _add_turn(self, index: int, turn: TurnRecord, choice: ChoiceRecord) -> None:
         self.turns.append(index)
         ids = _packed_ids(choice.token_ids)

@@ -21,6 +21,7 @@ practice: writers keep transactions short).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -107,6 +108,7 @@ class Entry:
     kind: str
     turn: int | None = None  #: index of the model request, for request/completion/failure
     details: dict[str, Any] = field(default_factory=dict)
+    lineage: int | None = None  #: the turn's conversation (`store.lineages`), once it completed
 
     def as_json(self) -> dict[str, Any]:
         """A JSON-able view."""
@@ -115,6 +117,7 @@ class Entry:
             "at_s": round(self.at_s, 6),
             "kind": self.kind,
             "turn": self.turn,
+            "lineage": self.lineage,
             **self.details,
         }
 
@@ -134,7 +137,10 @@ def _new_messages(turn: TurnRecord, previous: TurnRecord | None) -> list[dict[st
     messages = turn.messages
     if not isinstance(messages, list):
         return []
-    before = previous.messages if previous is not None else None
+    # The previous request's messages are made whole only when they can be a prefix of these
+    # (counted first): a side call after turn 4,000 of a main loop must not rebuild its history.
+    fits = previous is not None and (previous.n_messages or 0) <= len(messages)
+    before = previous.messages if previous is not None and fits else None
     if not isinstance(before, list) or messages[: len(before)] != before:
         return messages
     rest = messages[len(before) :]
@@ -223,13 +229,21 @@ def _entry(
             return "other", {"type": event.type, **payload}
 
 
-def timeline(session: SessionRecord, events: list[RecordedEvent]) -> list[Entry]:
-    """The entries people read, from a session's events and the session rebuilt from them.
+def timeline(
+    session: SessionRecord,
+    events: Sequence[RecordedEvent],
+    lineage_of: Mapping[int, int] | None = None,
+) -> list[Entry]:
+    """The entries people read, from a session's events and the session rebuilt from them;
+    with `lineage_of` (turn -> lineage: `store.lineages.Forest`), each turn's entries say its
+    lineage.
 
     Prompt tokens and completion chunks are folded into their request's completion (or failure)
     entry: a chunk per few tokens is the record, not something to read. A request still in
     progress (as of an earlier position) shows as a request whose status is `in_progress`.
+    Each entry costs what its turn added (`_new_messages`): linear in the session's turns.
     """
+    lineage_of = lineage_of or {}
     if not events:
         return []
     start: datetime = events[0].recorded_at
@@ -241,5 +255,6 @@ def timeline(session: SessionRecord, events: list[RecordedEvent]) -> list[Entry]
         if made is not None:
             at_s = (event.recorded_at - start).total_seconds()
             index = turn[0] if turn is not None and made[0] != "other" else None
-            entries.append(Entry(event.position, at_s, made[0], index, made[1]))
+            lineage = None if index is None else lineage_of.get(index)
+            entries.append(Entry(event.position, at_s, made[0], index, made[1], lineage))
     return entries

@@ -12,6 +12,8 @@ this module only renders it, with rich for people and JSON for programs.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -22,7 +24,9 @@ from rich.text import Text
 
 from trajstore.store.embedded import database_url
 from trajstore.store.eventstore import EventStore
-from trajstore.store.sessions import SessionRecord, rebuild_session
+from trajstore.store.lineages import Forest
+from trajstore.store.pages import Page, rebuild_with_lineages, session_pieces
+from trajstore.store.sessions import SessionRecord
 from trajstore.store.settings import StoreSettings
 from trajstore.store.timeline import Entry, session_events, timeline
 from trajstore.trainer.errors import TrainerError
@@ -30,6 +34,8 @@ from trajstore.trainer.mismatch import TurnMismatch, check_session, overall
 
 #: Longest message or completion text shown in the terminal (the JSON keeps it whole).
 _TEXT_LIMIT = 240
+#: Timeline rows per table printed: a session of thousands of turns prints as it goes.
+_ROWS_PER_TABLE = 500
 
 
 def _short(text: Any, limit: int = _TEXT_LIMIT) -> str:
@@ -125,12 +131,14 @@ def _timeline_table(entries: list[Entry]) -> Table:
     table.add_column("pos", justify="right", style="dim", no_wrap=True)
     table.add_column("+s", justify="right", no_wrap=True)
     table.add_column("turn", justify="right", no_wrap=True)
+    table.add_column("lin", justify="right", no_wrap=True)
     table.add_column("what", no_wrap=True)
     table.add_column("details", ratio=1)
     for entry in entries:
         turn = "" if entry.turn is None else str(entry.turn)
+        lineage = "" if entry.lineage is None else str(entry.lineage)
         table.add_row(
-            str(entry.position), f"{entry.at_s:.3f}", turn, entry.kind, _entry_text(entry)
+            str(entry.position), f"{entry.at_s:.3f}", turn, lineage, entry.kind, _entry_text(entry)
         )
     return table
 
@@ -151,15 +159,45 @@ def _mismatch_table(results: list[TurnMismatch], url: str) -> Table:
     return table
 
 
-async def _gather(
+@dataclass
+class Gathered:
+    """What `replay session` shows: the session, its lineages, its timeline, the mismatch."""
+
+    session: SessionRecord
+    forest: Forest
+    entries: list[Entry]
+    mismatch: list[TurnMismatch] | None
+
+
+async def gather(
     url: str, session_id: str, as_of: int | None, against: str | None, **engine: Any
-) -> tuple[SessionRecord, list[Entry], list[TurnMismatch] | None]:
+) -> Gathered:
+    """Read the session (as of `as_of`) and make what `replay session` shows of it."""
     async with await EventStore.open(url) as store:
         events = await session_events(store, session_id, as_of)
-    session = rebuild_session(session_id, events)
-    entries = timeline(session, events)
+    session, forest = rebuild_with_lineages(session_id, events)
+    entries = timeline(session, events, forest.lineage_of)
+    del events
     mismatch = None if against is None else await check_session(session, against, **engine)
-    return session, entries, mismatch
+    return Gathered(session, forest, entries, mismatch)
+
+
+def json_pieces(gathered: Gathered, as_of: int | None, against: str | None) -> Iterator[bytes]:
+    """The JSON document, a piece at a time (a long session's is never held whole)."""
+    yield b'{"as_of":' + orjson.dumps(as_of) + b',"session":'
+    yield from session_pieces(gathered.session, Page(), forest=gathered.forest)
+    yield b',"timeline":['
+    for n, entry in enumerate(gathered.entries):
+        yield (b"," if n else b"") + orjson.dumps(entry.as_json())
+    yield b"]"
+    if gathered.mismatch is not None:
+        mismatch = {
+            "against": against,
+            "turns": [m.as_json() for m in gathered.mismatch],
+            "overall": overall(gathered.mismatch),
+        }
+        yield b',"mismatch":' + orjson.dumps(mismatch)
+    yield b"}\n"
 
 
 @click.command("session")
@@ -196,31 +234,24 @@ def session(
     """A session's timeline: requests, tool results, completions, rewards, failures, timings."""
     settings = ctx.find_root().ensure_object(dict).get("settings") or StoreSettings()
     try:
-        record, entries, mismatch = asyncio.run(
-            _gather(database_url(settings), session_id, as_of, against,
+        gathered = asyncio.run(
+            gather(database_url(settings), session_id, as_of, against,
                     model=model, api_key=engine_api_key)
         )  # fmt: skip
     except TrainerError as exc:
         raise click.ClickException(str(exc)) from exc
 
     if as_json:
-        document: dict[str, Any] = {
-            "as_of": as_of,
-            "session": record.as_json(),
-            "timeline": [e.as_json() for e in entries],
-        }
-        if mismatch is not None:
-            document["mismatch"] = {
-                "against": against,
-                "turns": [m.as_json() for m in mismatch],
-                "overall": overall(mismatch),
-            }
-        click.echo(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode())
+        for piece in json_pieces(gathered, as_of, against):
+            click.echo(piece, nl=False)
         return
 
     console = Console(soft_wrap=False)
-    console.print(_header(record, as_of))
-    console.print(_timeline_table(entries))
+    console.print(_header(gathered.session, as_of))
+    entries = gathered.entries
+    for start in range(0, len(entries), _ROWS_PER_TABLE):  # printed as it goes, not held whole
+        console.print(_timeline_table(entries[start : start + _ROWS_PER_TABLE]))
+    mismatch = gathered.mismatch
     if mismatch is not None and against is not None:
         console.print(_mismatch_table(mismatch, against))
         total = overall(mismatch)

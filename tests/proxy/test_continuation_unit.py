@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import pytest
@@ -88,7 +89,7 @@ def test_what_a_turn_records_of_how_its_prompt_was_sent() -> None:
 def test_audits_come_at_geometric_lengths_once_enough_turns_were_continued() -> None:
     continuer = Continuer(audit_every=4, audit_growth=0.5)
     turn = Turn("r1", 1000, 1, 10, b"", b"", ())
-    turn.chain = Chain([turn])
+    turn.chain = Chain(turn, deque([turn]))
     assert continuer._audit_due(turn)  # the lineage's first continued turn
     turn.chain.audited_at, turn.chain.since_audit = 1000, 3
     assert not continuer._audit_due(turn)  # four turns, but the conversation has not grown

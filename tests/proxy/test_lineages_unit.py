@@ -87,6 +87,28 @@ def test_sessions_least_recently_used_are_forgotten_past_the_bound_and_finished_
     assert contexts.get("a").latest is None and contexts.held < 1000
 
 
+def test_a_session_past_half_the_budget_forgets_its_oldest_turns_and_keeps_continuing() -> None:
+    contexts = PromptContexts(max_bytes=4000)
+    conversation = [user("go")]
+    previous = None
+    for n in range(40):  # one lineage of 40 turns, each holding about 300 bytes
+        conversation = [*conversation, said("ok"), user(f"output {n}")]
+        latest = turn(f"r{n}", conversation, b"x" * 4 * (n + 1))
+        contexts.remember("a", latest, previous)
+        previous = latest
+    turns = contexts.get("a")
+    assert contexts.held == turns.size <= 2000  # half the budget
+    assert len(turns.chains) == 1 and turns.chains[0].head is latest
+    # The lineage's last turn is still found; the forgotten ones are the log's to answer.
+    assert found(turns, [*conversation, said("ok"), user("more")]) == ["r39"]
+    assert found(turns, [user("go"), said("ok"), user("output 0"), said("ok"), user("x")]) == []
+    # Thousands of one-call lineages (a session used as a plain endpoint): bounded the same way.
+    for n in range(2000):
+        contexts.remember("b", turn(f"b{n}", [user(f"question {n}")], b"y" * 40), None)
+    assert contexts.get("b").size <= 2000 and len(contexts.get("b").chains) < 2000
+    assert found(contexts.get("b"), [user("question 1999"), said("ok"), user("and?")]) == ["b1999"]
+
+
 def received(messages: Messages, turns: SessionTurns) -> dict[str, object]:
     """The request_received payload the recorder makes for a chat request with `messages`."""
     recorder = RequestRecorder(

@@ -8,8 +8,9 @@ from typing import Any
 import openai
 import pytest
 
+from tests.long_session import record_long_session
 from tests.proxy.fake_engine import FakeEngine
-from tests.proxy.fixtures import ProxyFactory, RunningProxy
+from tests.proxy.fixtures import ProxyFactory, RunningProxy, made_whole
 from trajstore.proxy.replicas import new_replica_id
 from trajstore.proxy.sessions import CreateSession, Finish, SessionRegistry
 from trajstore.store import EventStore, EventType
@@ -247,6 +248,34 @@ async def test_a_sessions_answer_gives_what_each_turn_added_and_one_turn_whole_w
     assert made["turns"][2]["prompt_token_ids"] == whole[2]["prompt_token_ids"]
     missing = await proxy.http.get(url, params={"turn": 3})
     assert missing.status_code == 404 and "has 3 turns" in missing.text
+
+
+async def test_a_long_session_s_answer_streams_in_pages_and_grows_with_its_turns(
+    proxy: RunningProxy, database_url: str
+) -> None:
+    async with await EventStore.open(database_url) as store:
+        long = await record_long_session(store, 3_000)  # opencode-shaped, 3,000 model calls
+    url = f"{proxy.url}/sessions/long"
+    answer = await proxy.http.get(url)
+    assert answer.status_code == 200, answer.text
+    assert "content-length" not in answer.headers  # streamed as it is written, not built whole
+    # What each turn added: a few KB a turn (every whole prompt would be 800 MB of JSON).
+    assert len(answer.content) < 3_000 * 2_000
+    record = answer.json()
+    assert len(record["turns"]) == record["n_turns"] == 3_000 and record["next"] is None
+    assert [t["lineage"] for t in record["turns"][48:51]] == [0, 1, 0]  # a title call between
+    assert record["lineages"][0]["role"] == "main"
+    # Pages of 1,000, each naming the next: together, the same turns.
+    pages, next_url = [], f"{url}?limit=1000"
+    while next_url:
+        page = (await proxy.http.get(next_url)).json()
+        pages.append(page["turns"])
+        next_url = page["next"]
+    assert [len(p) for p in pages] == [1000, 1000, 1000]
+    assert [t for p in pages for t in p] == record["turns"]
+    # A client makes every prompt whole from the references, as the log stores them.
+    made = made_whole(record)
+    assert [len(t["prompt_token_ids"]) for t in made["turns"]] == long.prompt_tokens
 
 
 async def test_a_session_finished_on_one_replica_is_closed_on_the_others(

@@ -61,7 +61,8 @@ async def test_archive_then_drop_frees_the_space_and_the_session_rebuilds_identi
     await record_session(store, "s2")  # today's, stays in the log
     events = await store.read_session("s1")
     samples_before = build_samples(rebuild_session("s1", events, packed=True))
-    timeline_before = timeline(rebuild_session("s1", events), events)
+    lineage_of = {t: s.lineage for s in samples_before for t in s.turns}
+    timeline_before = timeline(rebuild_session("s1", events), events, lineage_of)
     assert samples_before
     async with store.pool.acquire() as conn:
         [old] = [p for p in await list_partitions(conn) if p.day == OLD]

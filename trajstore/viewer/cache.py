@@ -18,9 +18,13 @@ from trajstore.store.sessions import SessionRecord, TurnRecord, rebuild_session
 from trajstore.store.timeline import Entry, timeline
 from trajstore.viewer import queries
 from trajstore.viewer.errors import PageNotFound
+from trajstore.viewer.lineages import LineageTree, lineage_tree
 from trajstore.viewer.strip import TurnSpan, turn_spans
 
 Head = tuple[int, int]  #: (events, last position): the log of a session changed when this did
+
+#: Lineages a session's page lists (the main lineage's tree first); the rest are counted.
+LINEAGES_SHOWN = 50
 
 
 @dataclass
@@ -35,6 +39,7 @@ class SessionView:
     alternatives: dict[int, list[TurnSpan]] = field(default_factory=dict)  #: other choices
     branch_of: dict[int, Sample] = field(default_factory=dict)  #: turn -> its branch
     starts: dict[int, Sample] = field(default_factory=dict)  #: turn -> the branch it diverged to
+    lineages: LineageTree | None = None  #: the tree the page shows (`viewer.lineages`)
 
     @classmethod
     def build(cls, session_id: str, events: list[RecordedEvent], head: Head) -> SessionView:
@@ -42,7 +47,7 @@ class SessionView:
         session = rebuild_session(session_id, events)
         view = cls(session, head, build_samples(session), timeline(session, events))
         for sample in view.samples:
-            for span in turn_spans(sample, session):
+            for span in turn_spans(sample):
                 if sample.alternative_of is None:
                     view.spans[span.turn] = span
                     view.branch_of[span.turn] = sample
@@ -50,6 +55,7 @@ class SessionView:
                     view.alternatives.setdefault(span.turn, []).append(span)
             if sample.divergence is not None and sample.alternative_of is None:
                 view.starts[sample.divergence.turn] = sample
+        view.lineages = lineage_tree(view.samples, len(session.turns), LINEAGES_SHOWN)
         return view
 
     def turn(self, index: int) -> TurnRecord:

@@ -47,8 +47,26 @@ def as_json(value: Any) -> str:
     return text
 
 
+#: Ranges of turns a list of turns shows before it is cut.
+RANGES_SHOWN = 6
+
+
+def turn_ranges(turns: list[int]) -> str:
+    """Turns as ranges ("0–48, 50–98, …"), cut after `RANGES_SHOWN` of them: a main loop's
+    sample of thousands of turns is one line."""
+    ranges: list[list[int]] = []
+    for turn in turns:
+        if ranges and ranges[-1][1] == turn - 1:
+            ranges[-1][1] = turn
+        else:
+            ranges.append([turn, turn])
+    text = ", ".join(str(lo) if lo == hi else f"{lo}–{hi}" for lo, hi in ranges[:RANGES_SHOWN])
+    return text + (", …" if len(ranges) > RANGES_SHOWN else "")
+
+
 ALL: dict[str, Callable[..., str]] = {
     "number": number, "seconds": seconds, "when": when, "as_json": as_json,
+    "turn_ranges": turn_ranges,
 }  # fmt: skip
 
 

@@ -84,11 +84,14 @@ async def _context(request: Request, app: Viewer, session_id: str, page: str | N
     async with unavailable_as_store_error():
         projected = await app.store.pool.fetch(queries.PROJECTED_SAMPLES, session_id)
     first = (number - 1) * TURNS_PER_PAGE
+    tree = view.lineages
+    assert tree is not None
     return {
         "request": request,
         "view": view,
         "session": view.session,
-        "samples": view.samples,
+        "lineages": tree,
+        "samples": [s for row in tree.rows for s in row.samples],
         "projected": projected,
         "turns": turn_rows(view, first, first + TURNS_PER_PAGE),
         "page": number,

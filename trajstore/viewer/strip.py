@@ -3,10 +3,9 @@
 A turn's part of its sample is its *glue* (the prompt tokens the sample did not hold yet: the
 whole prompt for a branch's first turn, else the tool results, user messages and template tokens
 since the previous completion; loss mask 0) followed by its *completion* (loss mask 1, coloured
-by its behaviour logprob). `turn_spans` finds those parts from public facts only (each turn's
-prompt and choices) by the rules of `trajstore.store.samples`: a turn's completion starts right
-after its prompt, or one token later when the previous completion's end-of-turn token was kept
-although the prompt does not repeat it.
+by its behaviour logprob). `turn_spans` takes those parts from the sample as it was built
+(`Sample.turn_offsets`): no turn's prompt is made whole, so a session of thousands of turns
+costs its samples' length once.
 
 The strip is written here as HTML rather than in a template: a turn holds thousands of tokens,
 and a Python join is several times faster than a template loop.
@@ -23,7 +22,6 @@ import numpy as np
 from markupsafe import Markup, escape
 
 from trajstore.store.samples import Sample
-from trajstore.store.sessions import SessionRecord
 from trajstore.store.tokens import decode_logprobs, decode_token_ids, encode_token_ids
 
 #: A glue longer than this shows its first and last `_KEEP` tokens (and the divergence's).
@@ -59,29 +57,10 @@ class TurnSpan:
     end: int
 
 
-def turn_spans(sample: Sample, session: SessionRecord) -> list[TurnSpan]:
-    """Each of the sample's turns, with the places of its glue and its completion."""
-    tokens = sample.token_bytes
-    found: list[TurnSpan] = []
-    end = 0
-    for k, index in enumerate(sample.turns):
-        turn = session.turns[index]
-        prompt = _packed(turn.prompt_token_ids)
-        start = len(prompt) // 4
-        if k > 0 and not tokens.startswith(prompt):
-            start += 1  # the previous completion's end-of-turn token stays; the prompt lacks it
-        if sample.alternative_of is not None or k == len(sample.turns) - 1:
-            stop = sample.n_tokens  # the completion is the rest
-        else:  # the choice this sample continued: the longest whose tokens are there
-            fitting = [
-                len(ids) // 4
-                for choice in turn.choices.values()
-                if tokens.startswith(ids := _packed(choice.token_ids), 4 * start)
-            ]
-            stop = start + max(fitting, default=0)
-        found.append(TurnSpan(sample, index, end, start, stop))
-        end = stop
-    return found
+def turn_spans(sample: Sample) -> list[TurnSpan]:
+    """Each of the sample's turns, with the places of its glue and its completion (as the
+    sample was built: `Sample.turn_offsets`, linear in its turns)."""
+    return [TurnSpan(sample, *offsets) for offsets in sample.turn_offsets()]
 
 
 @dataclass(frozen=True)

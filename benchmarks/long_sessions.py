@@ -1,0 +1,388 @@
+"""Long agent sessions through the proxy, then every read path over them (issue 35).
+
+    python benchmarks/long_sessions.py [--quick] [--sessions 3] [--turns 5000] [--small 1000]
+                                       [--runs 3]
+
+Starts the fake engine (tests/proxy/fake_engine.py, answering every request that has tools with
+a tool call) and `trajstore proxy` recording into a scratch database. Then `--sessions` agents of
+`--turns` model calls each, and one of `--small` calls, run at once through the proxy, shaped as
+opencode's (the same shape tests/long_session.py writes straight to the log): a 2,000-token system
+prompt and tools, then turn after turn the model's tool call and the tool's output (growing from
+12 to 32 words over 5,000 turns) sent back with the whole conversation, and every
+`SIDE_EVERY`-th call a title call of its own (another lineage). At 5,000 turns the last prompt is
+past 180 k tokens. Each session is finished, then the tokens the agents were told they sent and
+received (usage) are reconciled with what the log stores.
+
+Then, on the small session and on one long one, each read path (medians of `--runs`):
+
+- `GET /sessions/{id}` through the proxy, without options (the whole session, streamed), in
+  pages of 1,000 turns (`?limit=1000`, following `next`), and one turn whole (`?turn=N`);
+- the projection: the session's events read, folded and made samples (`store.samples`), as the
+  projector does per session; then `trajstore project` once for all of them;
+- `trajstore export` of the session (its own run), Parquet;
+- `replay session --json`: read, rebuilt, lineages, timeline, JSON written (to /dev/null);
+- the viewer: the session's page (its cache emptied first) and its last turn's body.
+
+Each path's time at `--turns` over its time at `--small`: linear in turns when it is near the
+ratio of turns. And the proxy's resident memory: before the sessions, at its peak (sampled every
+50 ms), after the writes, and after every read (within 100 MB of before). Exits non-zero when a
+token is missing from the log, when `GET /sessions/{id}` without options is 10 MB or more at
+`--turns`, or when the proxy keeps 100 MB more than before. TRAJSTORE_DATABASE_URL's server,
+else the embedded one (it needs the right to create databases). `--quick` (CI): 2 sessions of
+500 turns and one of 100, one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+import orjson
+from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
+from overhead_servers import ROOT, Servers, proxy_argv
+
+from trajstore.store import EventStore
+from trajstore.store.embedded import database_url
+from trajstore.store.export import export
+from trajstore.store.projection import Projector
+from trajstore.store.samples import build_samples
+from trajstore.store.sessions import rebuild_session
+from trajstore.trainer.timeline import gather, json_pieces
+from trajstore.viewer import ViewerSettings, create_app
+
+SYSTEM_WORDS = 2_000
+COMPLETION = 8  #: tokens of each tool call the model makes (ending with end-of-turn)
+MAX_TOKENS = 2 * COMPLETION  #: asked for: the engine stops before, on its end-of-turn token
+SIDE_EVERY = 50  #: every 50th call is a title call: a lineage of its own
+MAX_GET_BYTES = 10 << 20  #: GET /sessions/{id} without options, at --turns
+MAX_KEPT_BYTES = 100 << 20  #: proxy resident memory after everything, over before
+ENGINE_MAIN = f"""
+import sys
+import uvloop
+sys.path.insert(0, sys.argv[1])
+from tests.proxy.fake_engine import FakeEngine, serve_forever
+
+uvloop.run(serve_forever(FakeEngine(call_tools=True, completion_tokens={COMPLETION}),
+                         int(sys.argv[2])))
+"""
+PATH = {"type": "object", "properties": {"path": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "read", "description": "Read a file",
+                                           "parameters": PATH}}]  # fmt: skip
+
+
+def tool_output(turn: int) -> str:
+    """What the tool sends back after `turn`: 12 words, growing by one every 250 turns."""
+    return " ".join(f"out{turn}_{j}" for j in range(12 + turn // 250))
+
+
+@dataclass
+class Tally:
+    """What the agents were told (usage), to reconcile with the log."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    calls: int = 0
+    longest_prompt: int = 0
+
+
+class Agent:
+    """One opencode-shaped session: its conversation kept serialised, a message appended a turn
+    (re-serialising 100 k tokens of history every turn would make the agent the benchmark)."""
+
+    def __init__(self, http: aiohttp.ClientSession, proxy: str, session_id: str, run: str) -> None:
+        self.http, self.proxy, self.session_id, self.run = http, proxy, session_id, run
+        system = {"role": "system", "content": " ".join(f"sys{j}" for j in range(SYSTEM_WORDS))}
+        task = {"role": "user", "content": "The test in tests/test_io.py fails; fix it."}
+        self.messages = b"[" + orjson.dumps(system) + b"," + orjson.dumps(task)
+        self.head = b'{"model":"tiny","max_tokens":%d,"tools":%s,"messages":' % (
+            MAX_TOKENS, orjson.dumps(TOOLS))  # fmt: skip
+        self.headers: dict[str, str] = {}
+        self.url = ""
+
+    async def run_turns(self, turns: int, tally: Tally) -> None:
+        create = {"run_id": self.run, "session_id": self.session_id}
+        created = await self._post(f"{self.proxy}/sessions", orjson.dumps(create))
+        self.headers = {"Authorization": f"Bearer {created['api_key']}"}
+        self.url = created["base_url"] + "/chat/completions"
+        for turn in range(turns):
+            if turn % SIDE_EVERY == SIDE_EVERY - 1:
+                title = [{"role": "user", "content": f"A title for this session, call {turn}"}]
+                body = orjson.dumps({"model": "tiny", "max_tokens": MAX_TOKENS, "messages": title})
+                self._count(await self._post(self.url, body, self.headers), tally)
+                continue
+            answer = await self._post(self.url, self.head + self.messages + b"]}", self.headers)
+            self._count(answer, tally)
+            reply = {k: v for k, v in answer["choices"][0]["message"].items() if v is not None}
+            result = {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"],
+                      "content": tool_output(turn)}  # fmt: skip
+            self.messages += b"," + orjson.dumps(reply) + b"," + orjson.dumps(result)
+        orchestrator = {"Authorization": f"Bearer {created['orchestrator_key']}"}
+        finish = f"{self.proxy}/sessions/{self.session_id}/finish"
+        await self._post(finish, b'{"status":"completed"}', orchestrator)
+
+    @staticmethod
+    def _count(answer: dict[str, object], tally: Tally) -> None:
+        usage = answer["usage"]
+        assert isinstance(usage, dict)
+        tally.prompt_tokens += usage["prompt_tokens"]
+        tally.completion_tokens += usage["completion_tokens"]
+        tally.longest_prompt = max(tally.longest_prompt, usage["prompt_tokens"])
+        tally.calls += 1
+
+    async def _post(self, url: str, body: bytes, headers: dict[str, str] | None = None) -> dict:
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        async with self.http.post(url, data=body, headers=headers) as resp:
+            if resp.status not in (200, 201):
+                raise RuntimeError(f"{url}: {resp.status} {(await resp.text())[:500]}")
+            answer: dict = await resp.json(loads=orjson.loads)
+            return answer
+
+
+class ResidentMemory:
+    """The proxy's resident set, sampled every 50 ms in a thread: now, and the peak since a mark."""
+
+    def __init__(self, pid: int) -> None:
+        self.path = Path(f"/proc/{pid}/status")
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def now(self) -> int:
+        for line in self.path.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def mark(self) -> None:
+        self.peak = self.now()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                self.peak = max(self.peak, self.now())
+            except OSError:
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@dataclass
+class Reading:
+    """One read path's medians on one session."""
+
+    seconds: list[float] = field(default_factory=list)
+    size: int = 0  #: bytes answered, where there is an answer
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+async def timed(runs: int, read: Callable[[], Awaitable[int]]) -> Reading:
+    """The path read once untimed (connections, imports), then `runs` times."""
+    reading = Reading(size=await read())
+    for _ in range(runs):
+        start = time.perf_counter()
+        reading.size = await read()
+        reading.seconds.append(time.perf_counter() - start)
+    return reading
+
+
+async def read_paths(
+    http: aiohttp.ClientSession, proxy: str, url: str, viewer: httpx.AsyncClient,
+    session_id: str, run: str, turns: int, runs: int,
+) -> dict[str, Reading]:  # fmt: skip
+    """Every read path over one session, timed."""
+    base = f"{proxy}/sessions/{session_id}"
+
+    async def get(address: str) -> int:
+        async with http.get(address) as resp:
+            assert resp.status == 200, await resp.text()
+            size = 0
+            async for piece in resp.content.iter_any():
+                size += len(piece)
+            return size
+
+    async def pages() -> int:
+        size, address = 0, f"{base}?limit=1000"
+        while address:
+            async with http.get(address) as resp:
+                body = await resp.read()
+            size += len(body)
+            address = orjson.loads(body)["next"]
+        return size
+
+    async def projection() -> int:
+        async with await EventStore.open(url) as store:
+            events = await store.read_session(session_id)
+        record = rebuild_session(session_id, events, packed=True)
+        return sum(s.n_tokens for s in build_samples(record)) * 4
+
+    async def exported() -> int:
+        with tempfile.TemporaryDirectory() as scratch:
+            out = Path(scratch) / "session.parquet"
+            async with await EventStore.open(url) as store:
+                await export(store, out, runs=[run])
+            return out.stat().st_size
+
+    async def replay() -> int:
+        gathered = await gather(url, session_id, None, None)
+        sink = io.BytesIO()  # written a piece at a time, as to a terminal; kept only to size it
+        for piece in json_pieces(gathered, None, None):
+            sink.write(piece)
+        return sink.tell()
+
+    async def page() -> int:
+        viewer_state = viewer._transport.app.state.viewer  # type: ignore[attr-defined]
+        viewer_state.sessions.clear()  # cold: read and rebuilt
+        answer = await viewer.get(f"/sessions/{session_id}")
+        assert answer.status_code == 200
+        return len(answer.content)
+
+    async def turn_body() -> int:
+        answer = await viewer.get(f"/sessions/{session_id}/turns/{turns - 2}")
+        assert answer.status_code == 200
+        return len(answer.content)
+
+    return {
+        "GET /sessions/{id}": await timed(runs, lambda: get(base)),
+        "  in pages of 1,000 turns": await timed(runs, pages),
+        "  one turn whole (?turn=N)": await timed(runs, lambda: get(f"{base}?turn={turns - 2}")),
+        "projection (fold + samples)": await timed(runs, projection),
+        "trajstore export (Parquet)": await timed(runs, exported),
+        "replay session --json": await timed(runs, replay),
+        "viewer: page, cold": await timed(runs, page),
+        "viewer: last turn's body": await timed(runs, turn_body),
+    }
+
+
+def mib(n: float) -> str:
+    return f"{n / (1 << 20):7.1f} MiB"
+
+
+async def main(args: argparse.Namespace) -> int:
+    dbs = Databases(await asyncio.to_thread(database_url))
+    servers = Servers()
+    failed = False
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        try:
+            await dbs.setup()
+            url = await dbs.fresh()
+            python = sys.executable
+            engine = servers.start("engine", [python, "-c", ENGINE_MAIN, str(ROOT), "{port}"])
+            await servers.wait_ready(engine, http, "/health")
+            env = {**os.environ, "TRAJSTORE_DATABASE_URL": url}
+            serve = ["proxy", "--engine", engine.url, "--port", "{port}"]
+            proxy = servers.start("trajstore", [*proxy_argv(python, None), *serve], env=env)
+            await servers.wait_ready(proxy, http, "/health")
+            memory = ResidentMemory(proxy.process.pid)
+            before = memory.now()
+
+            # The sessions, at once: `--sessions` long ones and a small one.
+            plan = [(f"long-{i}", args.turns) for i in range(args.sessions)]
+            plan.append(("small", args.small))
+            tallies = {name: Tally() for name, _ in plan}
+            start = time.perf_counter()
+            await asyncio.gather(*(
+                Agent(http, proxy.url, name, f"run-{name}").run_turns(turns, tallies[name])
+                for name, turns in plan
+            ))  # fmt: skip
+            wrote = time.perf_counter() - start
+            after_writes, peak_writes = memory.now(), memory.peak
+            calls = sum(t.calls for t in tallies.values())
+            print(f"{len(plan)} sessions ({args.sessions} x {args.turns} calls, 1 x {args.small}) "
+                  f"through the proxy in {wrote:.1f} s ({calls / wrote:.0f} calls/s); "
+                  f"longest prompt {tallies['long-0'].longest_prompt:,} tokens")  # fmt: skip
+
+            # Tokens the agents were told of = tokens the log holds.
+            async with await EventStore.open(url) as store:
+                for name, _ in plan:
+                    record = rebuild_session(name, await store.read_session(name))
+                    stored_prompt = sum(t.n_prompt_tokens or 0 for t in record.turns)
+                    stored_completion = sum(len(c.token_ids) for t in record.turns
+                                            for c in t.choices.values())  # fmt: skip
+                    tally = tallies[name]
+                    received = (tally.prompt_tokens, tally.completion_tokens)
+                    ok = (stored_prompt, stored_completion) == received
+                    failed |= not ok
+                    print(f"  {name}: received {tally.prompt_tokens:,} prompt + "
+                          f"{tally.completion_tokens:,} completion tokens, stored "
+                          f"{stored_prompt:,} + {stored_completion:,}: "
+                          f"{'ok' if ok else 'MISMATCH'}")  # fmt: skip
+                start = time.perf_counter()
+                projected = await Projector(store).run_once()
+                print(f"  trajstore project: {projected} sessions in "
+                      f"{time.perf_counter() - start:.2f} s")  # fmt: skip
+
+            # Every read path, on the small session and on a long one.
+            memory.mark()
+            app = create_app(url, ViewerSettings())
+            async with app.router.lifespan_context(app):
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://v") as viewer:
+                    small = await read_paths(http, proxy.url, url, viewer, "small", "run-small",
+                                             args.small, args.runs)  # fmt: skip
+                    large = await read_paths(http, proxy.url, url, viewer, "long-0",
+                                             "run-long-0", args.turns, args.runs)  # fmt: skip
+            peak_reads = memory.peak
+            await asyncio.sleep(1)
+            after = memory.now()
+            memory.stop()
+
+            ratio = args.turns / args.small
+            print(f"\nread paths, medians of {args.runs} run(s): {args.small:,} turns, "
+                  f"{args.turns:,} turns, their ratio (linear: about {ratio:.0f}x)")  # fmt: skip
+            print(f"  {'path':<30} {'small':>9} {'large':>9} {'ratio':>6} {'large answer':>14}")
+            for name, reading in large.items():
+                times = reading.median / small[name].median
+                print(f"  {name:<30} {small[name].median:8.3f}s {reading.median:8.3f}s "
+                      f"{times:5.1f}x {mib(reading.size):>14}")  # fmt: skip
+            whole = large["GET /sessions/{id}"].size
+            size_ok = whole < MAX_GET_BYTES
+            failed |= not size_ok
+            print(f"\nGET /sessions/{{id}} at {args.turns:,} turns: {mib(whole)} "
+                  f"({'ok' if size_ok else 'OVER'}: under {mib(MAX_GET_BYTES)})")  # fmt: skip
+            kept_ok = after - before < MAX_KEPT_BYTES
+            failed |= not kept_ok
+            print("proxy resident memory:")
+            print(f"  before the sessions  {mib(before)}")
+            print(f"  peak while writing   {mib(peak_writes)}")
+            print(f"  after the writes     {mib(after_writes)}")
+            print(f"  peak while reading   {mib(peak_reads)}")
+            print(f"  after everything     {mib(after)}  ({mib(after - before)} over before: "
+                  f"{'ok' if kept_ok else 'OVER'}, under {mib(MAX_KEPT_BYTES)})")  # fmt: skip
+        finally:
+            servers.stop()
+            await dbs.drop_all()
+    return 1 if failed else 0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="CI: 2 x 500 turns and 100, 1 run")
+    parser.add_argument("--sessions", type=int, default=3, help="long sessions at once")
+    parser.add_argument("--turns", type=int, default=5_000, help="model calls per long session")
+    parser.add_argument("--small", type=int, default=1_000, help="model calls of the small one")
+    parser.add_argument("--runs", type=int, default=3, help="reads of each path (medians)")
+    args = parser.parse_args()
+    if args.quick:
+        args.sessions, args.turns, args.small, args.runs = 2, 500, 100, 1
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(parse_args())))

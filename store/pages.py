@@ -1,0 +1,108 @@
+"""A session's record as JSON, written a piece at a time: what `GET /sessions/{id}` streams.
+
+A coding agent's session runs to thousands of turns, and each turn re-sends the whole context:
+an answer that gave every turn's whole prompt grew with the square of the turns (256 MB for a
+750-turn opencode session, issue 35) and was built whole in memory before the first byte left.
+Here each turn gives what it added to the turn it continues, as the log stores it
+(`TurnRecord.as_json`), turns come in pages (`first`, `limit`), and the document is yielded a
+few dozen turns at a time, so a reader holds the rebuilt session (what the log stores) plus one
+piece of the answer, never the answer.
+
+Each turn also says which conversation of the session it belongs to (`lineage`, `branch`:
+`store.lineages`), and the document lists the lineages (role, parent, fork, divergences).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from trajstore.store.events import RecordedEvent
+from trajstore.store.lineages import Forest, assign
+from trajstore.store.records import SessionRecord
+from trajstore.store.sessions import rebuild_session
+
+#: Turns serialised per piece of the answer: big enough that the joins cost little, small
+#: enough that a piece is a few hundred kilobytes for an agent's turns.
+TURNS_PER_PIECE = 64
+
+
+@dataclass(frozen=True)
+class Page:
+    """Which turns an answer holds: `limit` turns (None: all) from `first`; `whole`: a turn to
+    give whole (its `prompt_token_ids` and all its `messages`)."""
+
+    first: int = 0
+    limit: int | None = None
+    whole: int | None = None
+
+    def end(self, n_turns: int) -> int:
+        """Index after the page's last turn."""
+        return n_turns if self.limit is None else min(n_turns, self.first + self.limit)
+
+
+def rebuild_with_lineages(
+    session_id: str, events: list[RecordedEvent]
+) -> tuple[SessionRecord, Forest]:
+    """The session rebuilt from its events, and its lineages (what `session_pieces` needs)."""
+    record = rebuild_session(session_id, events)
+    return record, assign(record)
+
+
+def lineages_json(forest: Forest) -> list[dict[str, Any]]:
+    """The session's lineages, as the answer lists them."""
+    return [
+        {
+            "lineage": lineage.index,
+            "role": lineage.role,
+            "parent": lineage.parent,
+            "fork_at": lineage.fork_at,
+            "n_turns": lineage.n_turns,
+            "n_branches": len(lineage.branches),
+            "divergences": [b.divergence.as_json() for b in lineage.branches if b.divergence],
+        }
+        for lineage in forest.lineages
+    ]
+
+
+def branches_of(forest: Forest) -> dict[int, tuple[int, int]]:
+    """turn index -> (its lineage, its branch in that lineage), for every placed turn."""
+    placed = {}
+    for lineage in forest.lineages:
+        for number, branch in enumerate(lineage.branches):
+            for step in branch.steps:
+                placed[step.turn] = (lineage.index, number)
+    return placed
+
+
+def session_pieces(
+    record: SessionRecord, page: Page, next_url: str | None = None, forest: Forest | None = None
+) -> Iterator[bytes]:
+    """The session's JSON document in pieces (their concatenation is one JSON object): its
+    facts, the page's turns with their lineage, the lineages, and `next` (`next_url`, or null
+    when the page reaches the last turn)."""
+    forest = assign(record) if forest is None else forest
+    facts = record.as_json(turns=False)
+    end = page.end(len(record.turns))
+    facts.update(
+        n_turns=len(record.turns),
+        first_turn=page.first,
+        lineages=lineages_json(forest),
+        main_lineage=forest.main,  # named by the orchestrator, else found (`store.lineages`)
+        next=next_url if end < len(record.turns) else None,
+    )
+    head = orjson.dumps(facts)
+    yield head[:-1] + b',"turns":['
+    placed = branches_of(forest)
+    for start in range(page.first, end, TURNS_PER_PIECE):
+        views = []
+        for index in range(start, min(start + TURNS_PER_PIECE, end)):
+            view = record.turns[index].as_json(whole=index == page.whole)
+            view["index"] = index
+            view["lineage"], view["branch"] = placed.get(index, (None, None))
+            views.append(orjson.dumps(view))
+        yield (b"," if start > page.first else b"") + b",".join(views)
+    yield b"]}"
