@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from trajstore.store.images import image_hashes, image_spans
+from trajstore.store.images import image_spans
 from trajstore.store.lineages import Divergence, Lineage, assign
 from trajstore.store.records import ChoiceRecord, SessionRecord, TurnRecord
 from trajstore.store.tokens import (
@@ -250,7 +250,7 @@ def _images_of(sample: Sample) -> list[dict[str, Any]]:
     """The images of a sample's last turn, located in its tokens (None spans: not located)."""
     session = sample.session
     turn = session.turns[sample.turns[-1]]
-    hashes = image_hashes(turn.messages)
+    hashes = turn.image_hashes
     generated = sample.mask_array().astype(bool)
     spans = image_spans(sample.token_array(), generated, turn.image_token_id, len(hashes))
     images = []
