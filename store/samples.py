@@ -263,9 +263,9 @@ def _images_of(sample: Sample) -> list[dict[str, Any]]:
         # One image is one processor output: the same bytes twice with runs of different
         # lengths means the runs are not the images' (a guess would put features on text).
         lengths: dict[str | None, set[int]] = {}
-        for sha256, (start, end) in zip(hashes, spans, strict=True):
-            lengths.setdefault(sha256, set()).add(end - start)
-        if any(len(n) > 1 for sha256, n in lengths.items() if sha256 is not None):
+        for sha256, span in zip(hashes, spans, strict=True):
+            lengths.setdefault(sha256, set()).add(span[1] - span[0])
+        if any(len(seen) > 1 for sha256, seen in lengths.items() if sha256 is not None):
             reason = "the same image has placeholder runs of different lengths"
             spans = None
     images = []
