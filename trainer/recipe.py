@@ -27,6 +27,7 @@ from trajstore.trainer.ledger import record_step
 from trajstore.trainer.loss import LossConfig, policy_loss, token_logprobs
 from trajstore.trainer.replay import open_store, replay
 from trajstore.trainer.selection import Selection
+from trajstore.trainer.vision import MULTI_MODAL_INPUTS, VisionProcessor, model_inputs, with_vision
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,14 @@ class RecipeConfig:
 
 
 def forward_logprobs(model: Any, batch: Any) -> torch.Tensor:
-    """The model's logprob of each token of the batch, lined up with `batch["input_ids"]`."""
+    """The model's logprob of each token of the batch, lined up with `batch["input_ids"]`
+    (a vision-language model also gets the batch's images: `trainer.vision`)."""
+    images = batch.get_non_tensor(MULTI_MODAL_INPUTS, default=None)
     logits = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"].long(),
         position_ids=batch["position_ids"],
+        **(model_inputs(images) if images and any(images) else {}),
     ).logits
     return token_logprobs(logits, batch["input_ids"])
 
@@ -67,11 +71,14 @@ async def train_steps(
     Each step is recorded in the ledger as step 1, 2, ... of `training_run`. The trained model
     (and its tokenizer) is saved to `save_dir` when given. Returns each step's metrics.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     config = config or RecipeConfig()
     torch.manual_seed(config.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # A vision-language model (its processor has an image part) trains on the pixels too.
+    vision = VisionProcessor.of_model(model_dir)
+    loader = AutoModelForCausalLM if vision is None else AutoModelForImageTextToText
+    model = loader.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     optimiser = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     selection = Selection(runs=(run_id,))
@@ -84,7 +91,10 @@ async def train_steps(
             # One pass over the run per epoch, reshuffled; a pass may end with a smaller batch.
             seed = config.seed + epoch
             batches = 0
-            async for batch in replay(store, selection, batch_size=config.batch_size, seed=seed):
+            batches_of_run = replay(store, selection, batch_size=config.batch_size, seed=seed)
+            if vision is not None:
+                batches_of_run = with_vision(batches_of_run, store, vision)
+            async for batch in batches_of_run:
                 batches += 1
                 step += 1
                 # pi_old: the trainer's policy before this step, without gradients.

@@ -62,6 +62,15 @@ class VisionProcessor:
 
         return cls(AutoProcessor.from_pretrained(model_dir))  # type: ignore[no-untyped-call]
 
+    @classmethod
+    def of_model(cls, model_dir: str | Path) -> VisionProcessor | None:
+        """The model's processor when it has an image part (a vision-language model), else
+        None."""
+        config = Path(model_dir) / "processor_config.json"
+        if not (config.exists() or (Path(model_dir) / "preprocessor_config.json").exists()):
+            return None
+        return cls.from_pretrained(model_dir)
+
     @property
     def image_token_id(self) -> int:
         """The placeholder id the processor repeats once per image feature."""
