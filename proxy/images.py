@@ -28,6 +28,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from trajstore.proxy.apis.base import ImagePart
 from trajstore.proxy.errors import BadRequest, PayloadTooLarge
 from trajstore.store.events import MAX_PAYLOAD_BYTES
 from trajstore.store.images import REFERENCE_PREFIX, image_parts, part_url, reference
@@ -159,3 +160,20 @@ def _data_image(url: str, where: str, max_bytes: int) -> Image:
         data=data,
         n_bytes=len(decoded),
     )
+
+
+def referenced_body(
+    body: dict[str, Any], images: list[ImagePart], recorded: list[Any]
+) -> dict[str, Any]:
+    """A translated request's body as the log keeps it: each image block replaced by its
+    reference (the one its chat part got in `recorded`), the rest shared with the agent's."""
+    references = [part_url(part) for _, _, part in image_parts(recorded)]
+    out = dict(body)
+    for image, url in zip(images, references, strict=True):
+        node: Any = out
+        for key in image.path[:-1]:  # copy along the path, so the agent's body stays as sent
+            child = node[key]
+            node[key] = child = list(child) if isinstance(child, list) else dict(child)
+            node = child
+        node[image.path[-1]] = image.referenced_block(node[image.path[-1]], url)
+    return out

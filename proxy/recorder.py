@@ -20,11 +20,10 @@ import orjson
 
 from trajstore.proxy.apis.base import ImagePart
 from trajstore.proxy.continuation import RENDERED, Plan
-from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, referenced
+from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, referenced, referenced_body
 from trajstore.proxy.lineages import Ending, SessionTurns, Turn, messages_key, render_key
 from trajstore.proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
 from trajstore.store import BadEvent, EventType, EventWriter, NewEvent, request_stream
-from trajstore.store.images import image_parts, part_url
 from trajstore.store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
 
 #: A prompt is stored as a reference to an earlier turn of the session when it shares at least
@@ -171,7 +170,7 @@ class RequestRecorder:
             # Their events follow this one at the next drain.
             recorded = self._take_images(messages, payload, images or [])
             if images and recorded is not messages:
-                payload["body"] = _referenced_body(body, images, recorded)
+                payload["body"] = referenced_body(body, images, recorded)
         if api != "completions" and isinstance(recorded, list):
             self._messages = (len(recorded), orjson.dumps(recorded))
             self._render_key = render_key(chat)
@@ -458,20 +457,3 @@ class RequestRecorder:
     def _all_chunks(self) -> None:
         for index in sorted(self._choices):
             self._chunk(index, self._choices[index])
-
-
-def _referenced_body(
-    body: dict[str, Any], images: list[ImagePart], recorded: list[Any]
-) -> dict[str, Any]:
-    """A translated request's body as the log keeps it: each image block replaced by its
-    reference (the one its chat part got in `recorded`), the rest shared with the agent's."""
-    references = [part_url(part) for _, _, part in image_parts(recorded)]
-    out = dict(body)
-    for image, url in zip(images, references, strict=True):
-        node: Any = out
-        for key in image.path[:-1]:  # copy along the path, so the agent's body stays as sent
-            child = node[key]
-            node[key] = child = list(child) if isinstance(child, list) else dict(child)
-            node = child
-        node[image.path[-1]] = image.referenced_block(node[image.path[-1]], url)
-    return out
