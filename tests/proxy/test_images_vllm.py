@@ -182,6 +182,8 @@ async def test_a_two_turn_anthropic_session_with_an_image_is_one_sample_over_the
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": base64.b64encode(picture).decode()}}  # fmt: skip
     messages: list[Any] = [{"role": "user", "content": [image, {"type": "text", "text": "What?"}]}]
+    # Claude Code counts its prompt first: the engine's count, the image's placeholders in it.
+    counted = await client.messages.count_tokens(model="tiny", messages=messages)
     for follow_up in ("And now?", None):
         answer = await client.messages.create(
             model="tiny", messages=messages, max_tokens=3,
@@ -202,3 +204,5 @@ async def test_a_two_turn_anthropic_session_with_an_image_is_one_sample_over_the
     assert located["end"] - located["start"] == vision.count(Image.open(io.BytesIO(picture)))
     assert set(tokens[located["start"] : located["end"]].tolist()) == {IMAGE_TOKEN_ID}
     assert located["sha256"] == hashlib.sha256(picture).hexdigest()
+    first = (await vlm_proxy.session_record(session["session_id"]))["turns"][0]
+    assert counted.input_tokens == first["n_prompt_tokens"]
