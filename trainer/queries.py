@@ -51,3 +51,8 @@ WHERE {where}
 ORDER BY projected_tx, projected_seq
 LIMIT ${limit}
 """
+
+#: How many steps a training run's ledger stream holds (its last stream version; 0: none).
+LEDGER_STEPS = """
+SELECT coalesce(max(stream_version), 0) FROM events WHERE stream_id = $1
+"""

@@ -43,6 +43,15 @@ def _check_range(low_name: str, low: Any, high_name: str, high: Any) -> None:
         raise BadSelection(f"{low_name} ({low!r}) is above {high_name} ({high!r}): nothing fits")
 
 
+#: A lineage's last branch (`store.samples.rollout_rows`), over the unaliased `samples` table.
+_LINEAGE_TIP = (
+    "alternative_of IS NULL AND NOT EXISTS (SELECT 1 FROM samples later "
+    "WHERE later.session_id = samples.session_id "
+    "AND later.projection_version = samples.projection_version "
+    "AND later.lineage = samples.lineage AND later.branch > samples.branch)"
+)
+
+
 @dataclass(frozen=True)
 class Selection:
     """A set of training samples: which runs, when, which policy versions, rewards, statuses.
@@ -60,7 +69,11 @@ class Selection:
     - `statuses`: session statuses; by default only `completed` (failed, aborted and timed-out
       sessions are left out unless asked for).
     - `tags`: every one of these must be among the session's tags.
-    - `final_only`: only each session's final branch (no earlier branches or n>1 alternatives).
+    - `final_only`: only each session's default sample (`is_final`: the main lineage's last
+      branch; no other lineage, earlier branch or n>1 alternative).
+    - `rollouts`: each session's rollout rows (`store.samples.rollout_rows`): every lineage's last
+      branch (main loop, sub-agents, side calls), no earlier branch or alternative. The rows of
+      a session are one group member: one reward, one advantage (`trainer.advantages`).
     - `max_staleness` with `current_policy_version`: the oldest turn of the sample is at most this
       many versions behind the current policy. `current_policy_version` alone selects nothing
       but gives batches their staleness.
@@ -78,6 +91,7 @@ class Selection:
     statuses: tuple[str, ...] = DEFAULT_STATUSES
     tags: tuple[str, ...] = ()
     final_only: bool = False
+    rollouts: bool = False
     max_staleness: int | None = None
     current_policy_version: int | None = None
     projection_version: int | None = None
@@ -111,6 +125,11 @@ class Selection:
             "max_policy_version", self.max_policy_version,
         )  # fmt: skip
         _check_range("min_reward", self.min_reward, "max_reward", self.max_reward)
+        if self.final_only and self.rollouts:
+            raise BadSelection(
+                "final_only and rollouts both set: final_only takes the main lineage alone, "
+                "rollouts every lineage's last branch; pick one"
+            )
         if self.max_staleness is not None:
             if self.max_staleness < 0:
                 raise BadSelection(f"max_staleness must be >= 0, got {self.max_staleness}")
@@ -155,6 +174,8 @@ class Selection:
             conditions.append(f"tags @> {parameter(list(self.tags), 'text[]')}")
         if self.final_only:
             conditions.append("is_final")
+        if self.rollouts:
+            conditions.append(_LINEAGE_TIP)
         if self.max_staleness is not None and self.current_policy_version is not None:
             oldest = self.current_policy_version - self.max_staleness
             conditions.append(f"policy_version_min >= {parameter(oldest, 'int8')}")

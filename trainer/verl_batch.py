@@ -20,6 +20,9 @@ verl made itself:
     rm_scores           float32  [rows, R]    the session's reward on the last response token
     token_level_scores  float32  [rows, R]    the same (what verl's reward step writes)
     token_level_rewards float32  [rows, R]    the same (verl's name after its optional KL term)
+    advantages          float32  [rows, R]    trajstore's GRPO advantage of the row's rollout
+                                              (`trainer.advantages`) on each response_mask token
+    returns             float32  [rows, R]    the same (what verl's GRPO estimator writes)
 
 and, per row in `non_tensor_batch` (numpy arrays): `uid` (the GRPO group: the session's
 `group_id`, else its session id), `sample_id`, `session_id`, `policy_version` (the oldest
@@ -27,6 +30,14 @@ policy version of the sample's turns, -1 unknown) and `staleness` (`Selection
 .current_policy_version` minus it, -1 unknown). `meta_info["trajstore"]` says which projection
 version and selection the batch was read from and how many generated tokens were left out of the
 mask for lack of a behaviour logprob.
+
+A session of several conversations (`Selection(rollouts=True)`: its main loop, sub-agents and
+side calls, each a row) is ONE member of its GRPO group: its rows share the session's reward and
+the one `advantages` computed over the group's sessions. verl's own estimator
+(`compute_grpo_outcome_advantage`) counts rows, so it would weigh a session by its number of
+lineages: with rollouts, train on the batch's `advantages` (skip verl's advantage step) rather
+than re-estimating them. With one row per session the two agree up to the standard deviation's
+definition (trajstore: population; verl: unbiased).
 
 A generated token whose behaviour logprob the engine did not report (NaN in the store: a turn
 under a grammar, see `store.samples`) gets response_mask 0 here: verl has no NaN handling, and
@@ -52,6 +63,7 @@ from verl.utils.model import compute_position_id_with_mask
 
 from trajstore.store import EventStore
 from trajstore.store.connection import unavailable_as_store_error
+from trajstore.trainer.advantages import group_advantages
 from trajstore.trainer.arrays import read_arrays
 from trajstore.trainer.errors import BadSelection
 from trajstore.trainer.replay import IndexEntry, open_store, read_rewarded_index, shuffled
@@ -69,6 +81,8 @@ TENSOR_FIELDS = (
     "rm_scores",
     "token_level_scores",
     "token_level_rewards",
+    "advantages",
+    "returns",
 )
 
 
@@ -123,6 +137,7 @@ class VerlRow:
     session_id: str
     policy_version: int  #: -1: unknown
     staleness: int  #: -1: unknown
+    advantage: float = 0.0  #: the GRPO advantage of the row's rollout (its session)
 
 
 def collate_verl(
@@ -175,6 +190,9 @@ def collate_verl(
     scores = torch.zeros((n, width_r), dtype=torch.float32)
     scores[torch.arange(n), last] = torch.tensor([r.reward for r in rows], dtype=torch.float32)
     prompts_t, responses_t = torch.from_numpy(prompts), torch.from_numpy(responses)
+    advantages = torch.tensor([r.advantage for r in rows], dtype=torch.float32)[:, None] * (
+        torch.from_numpy(response_mask).to(torch.float32)
+    )
     tensors = {
         "prompts": prompts_t,
         "responses": responses_t,
@@ -186,6 +204,8 @@ def collate_verl(
         "rm_scores": scores,
         "token_level_scores": scores.clone(),
         "token_level_rewards": scores.clone(),
+        "advantages": advantages,
+        "returns": advantages.clone(),
     }
     non_tensors = {
         "uid": np.array([r.uid for r in rows], dtype=object),
@@ -201,7 +221,9 @@ def collate_verl(
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=info)
 
 
-def _row(entry: IndexEntry, arrays: tuple[Any, Any, Any], selection: Selection) -> VerlRow:
+def _row(
+    entry: IndexEntry, arrays: tuple[Any, Any, Any], selection: Selection, advantage: float
+) -> VerlRow:
     assert entry.reward is not None
     return VerlRow(
         split_sample(*arrays),
@@ -210,6 +232,7 @@ def _row(entry: IndexEntry, arrays: tuple[Any, Any, Any], selection: Selection) 
         str(entry.sample_id),
         entry.session_id,
         *selection.versions(entry.policy_version_min),
+        advantage,
     )
 
 
@@ -238,6 +261,12 @@ async def verl_batches(
         if index is None:
             return
         version, entries = index
+        advantages = group_advantages(
+            [float(e.reward or 0.0) for e in entries],
+            [e.group_id for e in entries],
+            [e.session_id for e in entries],
+        )
+        advantage_of = {e.sample_id: a for e, a in zip(entries, advantages, strict=True)}
         ordered = shuffled(entries, seed=seed, shuffle=shuffle)
         size = batch_size or len(ordered)
         meta = {"trajstore": {"projection_version": version, "selection": selection.as_json()}}
@@ -247,7 +276,7 @@ async def verl_batches(
             async with unavailable_as_store_error(), store.pool.acquire() as conn:
                 arrays = await read_arrays(conn, version, ids)
             yield collate_verl(
-                [_row(e, arrays[e.sample_id], selection) for e in chunk],
+                [_row(e, arrays[e.sample_id], selection, advantage_of[e.sample_id]) for e in chunk],
                 prompt_length=prompt_length,
                 response_length=response_length,
                 pad_token_id=pad_token_id,

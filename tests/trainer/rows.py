@@ -29,6 +29,8 @@ def sample_row(
     status: str = "completed",
     is_final: bool = True,
     branch: int = 0,
+    lineage: int = 0,
+    role: str = "main",
     tags: Sequence[str] = (),
     finished_at: datetime | None = datetime(2026, 1, 1, tzinfo=UTC),
     policy_versions: Sequence[int] = (0,),
@@ -40,12 +42,18 @@ def sample_row(
     mask = [0] * len(prompt) + [1] * len(completion)
     logprobs = [0.0] * len(prompt) + [-0.1 * (i + 1) for i in range(len(completion))]
     return {
-        "sample_id": sample_id or uuid.uuid5(uuid.NAMESPACE_URL, f"{session_id}/{branch}"),
+        "sample_id": sample_id
+        or uuid.uuid5(
+            uuid.NAMESPACE_URL,
+            f"{session_id}/{branch}" if lineage == 0 else f"{session_id}/{lineage}/{branch}",
+        ),
         "projection_version": projection_version,
         "session_id": session_id,
         "run_id": run_id,
         "group_id": group_id,
         "branch": branch,
+        "lineage": lineage,
+        "role": role,
         "is_final": is_final,
         "status": status,
         "reward": reward,
@@ -94,3 +102,16 @@ def branched_session(eos: int) -> SessionRecord:
         completed_turn([1, 10], [50, 51, eos], 2),
     ]
     return session
+
+
+def rollout_rows(group_id: str = "g-r") -> list[dict[str, Any]]:
+    """Two sessions of one group: `rich` (reward 1) ran three conversations (its main loop in two
+    branches after a divergence, a sub-agent, a side call), `plain` (reward 0) one."""
+    rich = {"session_id": "rich", "group_id": group_id, "reward": 1.0}
+    return [
+        sample_row(**rich, branch=0, is_final=False, completion=(4, 5)),
+        sample_row(**rich, branch=1, completion=(4, 5, 6)),
+        sample_row(**rich, lineage=1, role="subagent", is_final=False, completion=(7, 8)),
+        sample_row(**rich, lineage=2, role="side", is_final=False, completion=(9,)),
+        sample_row(session_id="plain", group_id=group_id, reward=0.0),
+    ]

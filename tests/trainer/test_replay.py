@@ -8,7 +8,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tests.trainer.rows import insert_samples, sample_row
+from tests.trainer.rows import insert_samples, rollout_rows, sample_row
 from trajstore.store import EventStore
 from trajstore.trainer.collate import sample_ids
 from trajstore.trainer.errors import BadSelection
@@ -62,6 +62,40 @@ async def test_batches_carry_the_stored_tokens_and_group_advantages(store: Event
     assert batch["advantages"][low, 3].item() == pytest.approx(-1.0, abs=1e-5)
     assert batch["advantages"][high, 3].item() == pytest.approx(1.0, abs=1e-5)
     assert batch["rewards"][high, 0].item() == 1.0
+
+
+async def test_a_session_s_lineages_are_one_group_member_with_one_advantage(
+    store: EventStore,
+) -> None:
+    await insert(store, rollout_rows())
+    (batch,) = await collect(store, selection=Selection(rollouts=True), batch_size=8)
+    rows = [(s["session_id"], s["advantage"]) for s in batch.get_non_tensor("samples")]
+    # Every lineage's last branch of `rich` (3 rows, not its main loop's first branch) and
+    # `plain`; two sessions in the group, rewards 1 and 0: advantages +1 and -1, whatever the
+    # rows (counting rows would give rich +0.58 and plain -1.73).
+    assert (
+        sorted(rows)
+        == [("plain", pytest.approx(-1.0, abs=1e-5))] + [("rich", pytest.approx(1.0, abs=1e-5))] * 3
+    )
+    # The default sample alone: the main loop's last branch of each session.
+    (main,) = await collect(store, selection=Selection(final_only=True), batch_size=8)
+    assert sorted(s["session_id"] for s in main.get_non_tensor("samples")) == ["plain", "rich"]
+    with pytest.raises(BadSelection, match="pick one"):
+        Selection(final_only=True, rollouts=True)
+
+
+async def test_live_groups_count_sessions_not_rows(store: EventStore) -> None:
+    rows = rollout_rows()
+    await insert(store, rows[:4])  # rich's rows: three to deliver, one session of two
+    live = replay_live(store, Selection(rollouts=True), batch_size=3, group_size=2,
+                       poll_interval=0.05, idle_timeout=0.3)  # fmt: skip
+    assert [b async for b in live] == []
+    await insert(store, rows[4:])
+    batches = [b async for b, _ in replay_live(store, Selection(rollouts=True), batch_size=4,
+                                               group_size=2, poll_interval=0.05,
+                                               idle_timeout=0.3)]  # fmt: skip
+    advantages = sorted(round(s["advantage"]) for b in batches for s in b.get_non_tensor("samples"))
+    assert advantages == [-1, 1, 1, 1]
 
 
 async def test_packing_fills_rows_up_to_the_budget(store: EventStore) -> None:

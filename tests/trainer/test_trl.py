@@ -17,20 +17,19 @@ from openai import AsyncOpenAI
 
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory
-from tests.trainer.rows import branched_session, insert_samples, sample_row
+from tests.trainer.rows import branched_session, insert_samples, rollout_rows, sample_row
 from trajstore.store import EventStore
 from trajstore.store.projection import Projector
 from trajstore.store.samples import build_samples, final_branch
 from trajstore.store.sessions import rebuild_session
 from trajstore.store.tokens import decode_logprobs, decode_token_ids
 from trajstore.trainer.selection import Selection
+from trajstore.trainer.trl_dataset import DATASET_COLUMNS, samples_dataset
 from trajstore.trainer.trl_rollout import (
-    DATASET_COLUMNS,
     Agent,
     RolloutFailed,
     TrajstoreRollout,
     recorded_reward,
-    samples_dataset,
     trl_fields,
 )
 
@@ -217,6 +216,21 @@ async def test_samples_dataset_has_one_row_per_selected_sample(
     assert (first["group_id"], first["is_final"], first["status"]) == ("g-1", True, "completed")
     assert by_session["s-2"]["input_ids"] == [1, 2, 7, 8, 9]
     assert samples_dataset(database_url, Selection(runs=("nobody",))).num_rows == 0
+
+
+async def test_a_rollout_s_lineages_are_dataset_rows_sharing_the_session_s_advantage(
+    store: EventStore, database_url: str
+) -> None:
+    async with store.pool.acquire() as conn:
+        await insert_samples(conn, rollout_rows())
+    dataset = samples_dataset(database_url, Selection(rollouts=True))
+    rows = sorted((r["session_id"], r["lineage"], r["role"], r["advantage"]) for r in dataset)
+    assert rows == [
+        ("plain", 0, "main", pytest.approx(-1.0, abs=1e-5)),
+        ("rich", 0, "main", pytest.approx(1.0, abs=1e-5)),
+        ("rich", 1, "subagent", pytest.approx(1.0, abs=1e-5)),
+        ("rich", 2, "side", pytest.approx(1.0, abs=1e-5)),
+    ]
 
 
 @pytest.mark.vllm

@@ -26,7 +26,7 @@ from verl.protocol import DataProto
 
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory
-from tests.trainer.rows import branched_session, insert_samples, sample_row
+from tests.trainer.rows import branched_session, insert_samples, rollout_rows, sample_row
 from trajstore.store import EventStore
 from trajstore.store.projection import Projector
 from trajstore.store.samples import build_samples, final_branch
@@ -367,6 +367,28 @@ async def test_a_recorded_run_is_a_verl_batch(
     assert await verl_batch(database_url, Selection(runs=("nothing",))) is None
 
     await verl_policy_loss_is_finite(batch, tiny_model)
+
+
+async def test_a_rollout_s_lineages_are_rows_of_one_group_member(
+    store: EventStore, database_url: str
+) -> None:
+    async with store.pool.acquire() as conn:
+        await insert_samples(conn, rollout_rows())
+    batch = await verl_batch(database_url, Selection(rollouts=True), shuffle=False)
+    assert batch is not None and len(batch) == 4  # rich: main, sub-agent, side call; plain
+    sessions = batch.non_tensor_batch["session_id"].tolist()
+    assert sorted(sessions) == ["plain", "rich", "rich", "rich"]
+    assert set(batch.non_tensor_batch["uid"].tolist()) == {"g-r"}
+    b = batch.batch
+    for row, session in enumerate(sessions):
+        # One advantage per session (+1 / -1: two members), on the trained tokens only.
+        expected = 1.0 if session == "rich" else -1.0
+        trained = b["response_mask"][row] == 1
+        assert b["advantages"][row][trained].tolist() == pytest.approx(
+            [expected] * int(trained.sum()), abs=1e-5
+        )
+        assert b["advantages"][row][~trained].abs().sum() == 0
+    assert torch.equal(b["advantages"], b["returns"])
 
 
 async def verl_policy_loss_is_finite(batch: DataProto, model_path: Path) -> None:

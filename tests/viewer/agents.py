@@ -40,8 +40,10 @@ class Agent:
         self.messages.append({"role": "user", "content": follow_up})
 
     def rewrite_history(self) -> None:
-        """Change the first question, as an agent that edits its context would."""
-        self.messages[1] = {"role": "user", "content": "What is 17 plus 26?"}
+        """Change the first follow-up question, as an agent that edits its context would: the
+        prompt keeps the system prompt, the task and the first reply (more than the 16 tokens
+        `store.lineages` asks of an edit inside a conversation) and the latest reply."""
+        self.messages[3] = {"role": "user", "content": "Now say it with words."}
 
     async def finish(self, reward: float) -> None:
         """The reward, then the finish, as the orchestrator sends them."""

@@ -63,7 +63,7 @@ async def screenshot(page: Any, name: str) -> None:
 @pytest.fixture
 async def agents(proxy: RunningProxy, store: EventStore) -> dict[str, Agent]:
     """Three sessions of run `browser`: `plain` (three turns), `rewritten` (its third turn
-    rewrites the first question: a divergence), `active` (one turn, not finished)."""
+    rewrites the first follow-up question: a divergence), `active` (one turn, not finished)."""
     plain = await Agent.start(proxy, "browser", "add-17-25")
     for _ in range(3):
         await plain.turn()

@@ -1,6 +1,7 @@
 """The viewer's pages over HTTP, on a real PostgreSQL with the sessions of
 tests/store/views_data.py (s1..s4 in run r1, s5 discarded and s6 active in run r2; s3's second
-turn rewrites the history at position 1)."""
+turn rewrites the history at position 21, after
+its 20-token system prompt)."""
 
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ async def test_a_session_page_shows_its_samples_divergence_and_turns(
 ) -> None:
     page = await client.get("/sessions/s3")
     assert page.status_code == 200
-    assert 'data-divergence-turn="1" data-divergence-position="1"' in page.text
+    assert 'data-divergence-turn="1" data-divergence-position="21"' in page.text
     assert "history_rewritten" in page.text
     assert re.findall(r'<details class="turn" data-turn="(\d+)"', page.text) == ["0", "1"]
     assert "projected (version 1)" in page.text
@@ -151,10 +152,11 @@ async def test_a_turn_s_strip_is_its_part_of_the_stored_sample(
     stored = np.asarray(decode_logprobs(row["logprobs"]))
     shown = [float(lp) for _, c, lp in tokens if c.startswith("m1")]
     assert shown == pytest.approx(stored[np.frombuffer(row["loss_mask"], np.uint8) == 1].tolist())
-    # The divergence is marked on the token at position 1, and said.
-    assert 'data-diverged-at="1"' in body
-    assert tokens[1][1] == "m0 diverged"
-    assert "history_rewritten</b> at position 1" in body
+    # The divergence is marked on the first token after the shared system prompt, and said.
+    assert 'data-diverged-at="21"' in body
+    assert tokens[21][1] == "m0 diverged"
+    assert [c for _, c, _ in tokens].count("m0 diverged") == 1
+    assert "history_rewritten</b> at position 21" in body
 
 
 async def test_an_extending_turn_shows_only_what_it_added(client: httpx.AsyncClient) -> None:
