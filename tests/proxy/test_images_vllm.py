@@ -206,3 +206,45 @@ async def test_a_two_turn_anthropic_session_with_an_image_is_one_sample_over_the
     assert located["sha256"] == hashlib.sha256(picture).hexdigest()
     first = (await vlm_proxy.session_record(session["session_id"]))["turns"][0]
     assert counted.input_tokens == first["n_prompt_tokens"]
+
+
+async def test_a_responses_image_in_a_tool_output_reaches_the_engine_and_is_located(
+    vlm_proxy: RunningProxy, vllm_vlm: tuple[str, Path], database_url: str
+) -> None:
+    # Codex's view_image: the image comes back in a function_call_output.
+    _, model = vllm_vlm
+    picture = png((240, 200, 10), size=(64, 64))
+    session = await vlm_proxy.new_session(run_id="vlm-responses")
+    agent = vlm_proxy.agent(session)
+    tool = {
+        "type": "function",
+        "name": "view_image",
+        "description": "Show an image.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+    }
+    items: list[Any] = [
+        {"role": "user", "content": "Look at shot.png"},
+        {"type": "function_call", "call_id": "c1", "name": "view_image",
+         "arguments": '{"path": "shot.png"}'},
+        {"type": "function_call_output", "call_id": "c1",
+         "output": [{"type": "input_image", "image_url": data_url(picture)}]},
+    ]  # fmt: skip
+    for follow_up in ("And now?", None):
+        answer = await agent.responses.create(
+            model="tiny", input=items, tools=[tool], max_output_tokens=3,
+            extra_body=held_to_one_word(model),
+        )  # fmt: skip
+        items += [o.model_dump(exclude_none=True) for o in answer.output]
+        if follow_up:
+            items.append({"role": "user", "content": follow_up})
+    await projected_run(database_url, vlm_proxy, session["session_id"])
+
+    async with await EventStore.open(database_url) as store:
+        [row] = await store.pool.fetch(
+            "SELECT token_ids, images FROM samples WHERE session_id = $1", session["session_id"]
+        )
+    [located] = orjson.loads(row["images"])
+    tokens = np.frombuffer(row["token_ids"], "<i4")
+    vision = VisionProcessor.from_pretrained(model)
+    assert located["end"] - located["start"] == vision.count(Image.open(io.BytesIO(picture)))
+    assert set(tokens[located["start"] : located["end"]].tolist()) == {IMAGE_TOKEN_ID}
