@@ -3,6 +3,7 @@ sends them, vLLM's answers and streams back, validated with the SDK's own types 
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -604,3 +605,31 @@ def test_messages_round_trip_of_text_is_the_same_reply() -> None:
     )
     sent = Messages().to_chat(body)["messages"][1]
     assert same_reply(sent, CHAT_TEXT["choices"][0]["message"])
+
+
+def test_a_recorded_body_refers_to_its_images_in_place_and_leaves_the_agents_untouched() -> None:
+    import copy
+    import hashlib
+
+    from trajstore.proxy.images import referenced, referenced_body
+
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "toolu_1",
+        "content": [{"type": "text", "text": "the screenshot:"}, IMAGE_BLOCK],
+    }
+    body = messages_body(messages=[{"role": "user", "content": [result, IMAGE_BLOCK]}])
+    sent = copy.deepcopy(body)
+    translated = Messages().translate(body)
+    params = {id(image.chat_part): image.param for image in translated.images}
+    found = referenced(translated.chat["messages"], 1 << 20, params)
+    recorded = referenced_body(body, translated.images, found.messages)
+
+    assert body == sent  # the agent's body, as the engine's request was made from it
+    digest = hashlib.sha256(base64.b64decode(IMAGE_BLOCK["source"]["data"])).hexdigest()
+    reference = {"type": "url", "url": f"trajstore-image:sha256:{digest}"}
+    blocks = recorded["messages"][0]["content"]
+    assert blocks[0]["content"][1] == {"type": "image", "source": reference}
+    assert blocks[1] == {"type": "image", "source": reference}
+    assert blocks[0]["content"][0] == {"type": "text", "text": "the screenshot:"}
+    assert found.hashes == [digest, digest]
