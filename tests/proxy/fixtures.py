@@ -191,10 +191,11 @@ def served_tiny_vlm() -> Iterator[tuple[str, Path]]:
         server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_vlm() -> Iterator[tuple[str, Path]]:
-    """One real vLLM serving the tiny vision-language model for the whole test session: its URL
-    and the model's directory. Tests that use it carry the `vllm` mark."""
+    """A real vLLM serving the tiny vision-language model for one test module (stopped after
+    it, so it never runs beside the text model's for long): its URL and the model's
+    directory. Tests that use it carry the `vllm` mark."""
     with served_tiny_vlm() as served:
         yield served
 
