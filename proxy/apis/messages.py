@@ -204,7 +204,7 @@ def chat_messages(
     body: dict[str, Any], images: list[ImagePart] | None = None
 ) -> list[dict[str, Any]]:
     """The chat messages a Messages request means (system first); its images are noted in
-    `images`, in the order the messages hold them."""
+    `images`, in the agent's order (`in_chat_order` gives the prompt's)."""
     images = [] if images is None else images
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
