@@ -28,6 +28,7 @@ from trajstore.trainer import attention, microbatch
 from trajstore.trainer.device import autocast, default_autocast, resolve_device, to_device
 from trajstore.trainer.errors import TrainerError
 from trajstore.trainer.loss import LossConfig, policy_loss, token_logprobs
+from trajstore.trainer.vision import MULTI_MODAL_INPUTS, VisionProcessor, model_inputs
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,14 @@ class Learner:
 
     @classmethod
     def load(cls, model_dir: Path, config: LearnerConfig | None = None) -> Learner:
-        """A learner for the model saved in `model_dir`, with the attention `config` asks for."""
-        from transformers import AutoModelForCausalLM
+        """A learner for the model saved in `model_dir`, with the attention `config` asks for
+        (a vision-language model, whose processor has an image part, as image-text-to-text)."""
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         config = config or LearnerConfig()
-        model = AutoModelForCausalLM.from_pretrained(
+        vision = VisionProcessor.of_model(model_dir) is not None
+        loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = loader.from_pretrained(
             model_dir,
             dtype=torch.float32,
             attn_implementation=attention.implementation(config.attention),
@@ -107,6 +111,9 @@ class Learner:
         it is the previous sample's last token, whose prediction is meaningless here).
         """
         inputs = attention.model_inputs(tensors, self.config.attention, packed)
+        images = tensors.get_non_tensor(MULTI_MODAL_INPUTS, default=None)
+        if images and any(images):  # a VLM's rows with images: their pixels (`trainer.vision`)
+            inputs |= {k: v.to(self.device) for k, v in model_inputs(images).items()}
         with autocast(self.device, self.autocast):
             logits = self.model(**inputs).logits
         logprobs = token_logprobs(logits, tensors["input_ids"])

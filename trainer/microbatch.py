@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDict
 
 from trajstore.trainer.collate import FIELDS
+from trajstore.trainer.vision import MULTI_MODAL_INPUTS
 
 _PADDING = {name: padding for name, _, padding in FIELDS}
 
@@ -49,6 +50,7 @@ def split(batch: TensorDict, token_budget: int | None, pad_multiple: int = 1) ->
     per_row = trained_tokens(batch).tolist()
     total = sum(per_row)
     rows = batch.batch_size[0]
+    images = batch.get_non_tensor(MULTI_MODAL_INPUTS, default=None)
     if token_budget is None:
         groups = [list(range(rows))]
     else:
@@ -71,6 +73,8 @@ def split(batch: TensorDict, token_budget: int | None, pad_multiple: int = 1) ->
             {name: _cut(name, batch[name][index], width) for name, _, _ in FIELDS},
             batch_size=[len(group)],
         )
+        if images is not None:  # a VLM's rows keep their images (`trainer.vision`)
+            tensors.set_non_tensor(MULTI_MODAL_INPUTS, [images[r] for r in group])
         tokens = sum(per_row[r] for r in group)
         micro.append(MicroBatch(tensors, tokens, tokens / total if total else 0.0))
     return micro

@@ -32,6 +32,13 @@ WHERE projection_version = {SERVED_SAMPLES_VERSION}
   AND sample_id = ANY($1::uuid[])
 """
 
+#: The images of the given samples in the served projection version (`trainer.vision`).
+READ_SAMPLE_IMAGES = f"""
+SELECT sample_id, session_id, images FROM samples
+WHERE projection_version = {SERVED_SAMPLES_VERSION}
+  AND sample_id = ANY($1::uuid[])
+"""
+
 # Samples in the order their projector committed them, never past the oldest transaction still
 # in flight: the same rule as the event log's READ_ALL, so a slow commit is never skipped.
 TAIL = """

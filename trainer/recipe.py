@@ -44,6 +44,7 @@ from trajstore.trainer.ledger import read_step, record_step, training_stream
 from trajstore.trainer.prefetch import Waits, prefetched
 from trajstore.trainer.replay import open_store, replay
 from trajstore.trainer.selection import Selection
+from trajstore.trainer.vision import VisionProcessor, with_vision
 
 
 @dataclass(frozen=True)
@@ -71,17 +72,25 @@ async def recorded_steps(store: EventStore, training_run: str) -> int:
 
 
 async def _epochs(
-    store: EventStore, selection: Selection, config: RecipeConfig, state: TrainingState
+    store: EventStore,
+    selection: Selection,
+    config: RecipeConfig,
+    state: TrainingState,
+    vision: VisionProcessor | None = None,
 ) -> AsyncIterator[tuple[int, int, TensorDict]]:
-    """(epoch, batch number in it, batch), from where `state` stands, pass after pass."""
+    """(epoch, batch number in it, batch), from where `state` stands, pass after pass; with
+    `vision`, each batch carries its rows' images (`trainer.vision`)."""
     epoch, skip = state.epoch, state.batches_in_epoch
     layout = config.layout()
     while True:
         batches = 0
-        async for batch in replay(
+        passed = replay(
             store, selection, batch_size=layout.batch_size, token_budget=layout.token_budget,
             pack=layout.pack, seed=config.seed + epoch,
-        ):  # fmt: skip
+        )  # fmt: skip
+        if vision is not None:
+            passed = with_vision(passed, store, vision)
+        async for batch in passed:
             batches += 1
             if batches > skip:
                 yield epoch, batches, batch
@@ -142,7 +151,7 @@ async def train_steps(
             )
         waits = Waits()
         batches = prefetched(
-            _epochs(store, selection, config, state),
+            _epochs(store, selection, config, state, VisionProcessor.of_model(model_dir)),
             lambda item: learner.prepare(item[2]),
             depth=config.prefetch,
             waits=waits,
