@@ -46,8 +46,9 @@ from ingest import (  # benchmarks/ is on sys.path when this runs as a script
 
 from trajstore.store.connection import connect
 from trajstore.store.embedded import database_url
-from trajstore.store.queries import CHECK_KEYS, INSERT_COLUMNS
-from trajstore.store.writer import copy_row, stream_runs
+from trajstore.store.keys import CHECK_KEYS, stream_runs
+from trajstore.store.queries import INSERT_COLUMNS
+from trajstore.store.writer import copy_row
 
 #: Statements that switch every trigger on the partitions' parent and on each partition off
 #: except those named in $1 (ALTER TABLE ... DISABLE TRIGGER on a partitioned table does not
