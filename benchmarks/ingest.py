@@ -32,7 +32,15 @@ from functools import partial
 import asyncpg
 import numpy as np
 
-from trajstore.store import EventStore, EventType, NewEvent, RecordedEvent, migrations, queries
+from trajstore.store import (
+    EventStore,
+    EventType,
+    NewEvent,
+    RecordedEvent,
+    keys,
+    migrations,
+    queries,
+)
 from trajstore.store.connection import asyncpg_dsn, connect
 from trajstore.store.embedded import database_url
 from trajstore.store.partitions import DAYS_AHEAD, ensure_partitions_at, partition_name
@@ -328,12 +336,12 @@ async def main(n_tokens: int, runs: int, before: str | None = None) -> None:
 
 async def write_unchecked(url: str, workload: Workload) -> float:
     """`write_with_writer` on a log without `trajstore_check_keys` (before migration 0017)."""
-    checked = queries.CHECK_KEYS
-    queries.CHECK_KEYS = "SELECT $1::text[], $2::int8[], $3::int8[]"
+    checked = keys.CHECK_KEYS
+    keys.CHECK_KEYS = "SELECT $1::text[], $2::int8[], $3::int8[]"
     try:
         return await write_with_writer(url, workload)
     finally:
-        queries.CHECK_KEYS = checked
+        keys.CHECK_KEYS = checked
 
 
 #: A way to write the workload to a store: seconds it took.

@@ -35,7 +35,7 @@ import asyncpg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trajstore.store import queries
+from trajstore.store import keys, queries
 from trajstore.store.connection import unavailable_as_store_error
 from trajstore.store.errors import ArchiveError, SessionNotFound
 from trajstore.store.events import RecordedEvent
@@ -255,9 +255,9 @@ async def _detach(conn: asyncpg.Connection, entry: ArchivedPartition, *, keep: b
             raise ArchiveError(f"{entry.name} changed while it was archived; run the archive again")
         # Its keys to event_keys first (the day may not be sealed yet): detached, its events are
         # no longer in `events` for the uniqueness checks to find.
-        await conn.execute(queries.seal_keys_of(entry.name))
+        await conn.execute(keys.seal_keys_of(entry.name))
         if not keep:
-            await conn.execute(queries.forget_keys_of(entry.name))
+            await conn.execute(keys.forget_keys_of(entry.name))
         await conn.execute(f"ALTER TABLE events DETACH PARTITION {entry.name}")
         if not keep:
             await conn.execute(f"DROP TABLE {entry.name}")

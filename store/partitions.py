@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from trajstore.store import queries
+from trajstore.store import keys, queries
 from trajstore.store.connection import connect
 from trajstore.store.schema import DEFAULT_PARTITION
 
@@ -89,7 +89,7 @@ async def create_partition(conn: asyncpg.Connection, day: dt.date) -> str:
             await conn.execute(
                 queries.NAME_PARTITION_INDEXES.format(partition=name, suffix=f"{day:%Y%m%d}")
             )
-            for statement in queries.PARTITION_UNIQUE_KEYS:
+            for statement in keys.PARTITION_UNIQUE_KEYS:
                 await conn.execute(statement.format(partition=name, suffix=f"{day:%Y%m%d}"))
     return name
 
@@ -104,7 +104,7 @@ async def seal_closed_days(conn: asyncpg.Connection) -> dt.datetime | None:
     """
     async with conn.transaction():
         await conn.execute(f"SET LOCAL lock_timeout = '{_LOCK_TIMEOUT}'")
-        through = await conn.fetchval(queries.SEALED_THROUGH)
+        through = await conn.fetchval(keys.SEALED_THROUGH)
         if through.tzinfo is None:  # asyncpg's -infinity: nothing sealed yet
             through = dt.datetime.min.replace(tzinfo=dt.UTC)
         today = await conn.fetchval("SELECT date_trunc('day', now(), 'UTC')")
@@ -114,8 +114,8 @@ async def seal_closed_days(conn: asyncpg.Connection) -> dt.datetime | None:
             closing = partition.end is not None and through < partition.end <= today
             if partition.end is None or closing:  # the default one may hold such days too
                 await conn.execute(f"LOCK TABLE {partition.name} IN SHARE MODE")
-        await conn.execute(queries.SEAL_KEYS_BETWEEN, through, today)
-        for statement in queries.SET_SEALED_THROUGH:
+        await conn.execute(keys.SEAL_KEYS_BETWEEN, through, today)
+        for statement in keys.SET_SEALED_THROUGH:
             await conn.execute(statement, *([today] if "$1" in statement else []))
     return dt.datetime.fromtimestamp(today.timestamp(), dt.UTC)
 

@@ -72,10 +72,6 @@ WHERE event_id = ANY($1::uuid[])
 
 EXISTING_EVENT_IDS = "SELECT event_id FROM events WHERE event_id = ANY($1::uuid[])"
 
-#: The writer's uniqueness check of a batch before its COPY (`store.schema`, CHECK_KEYS_FUNCTION):
-#: its streams' runs of consecutive versions, ($1 stream, $2 first, $3 last version) each.
-CHECK_KEYS = "SELECT trajstore_check_keys($1::text[], $2::int8[], $3::int8[])"
-
 READ_STREAM = f"""
 SELECT {EVENT_COLUMNS} FROM events
 WHERE stream_id = $1 AND stream_version > $2
@@ -145,15 +141,6 @@ BEGIN
 END
 $$"""
 
-#: A partition's own unique keys: event ids and (stream, version) are unique within each day
-#: (across days, see `store.schema`). Not declared on `events`: a partitioned table's unique
-#: keys must include its partition key, `recorded_at`, which would make them refuse nothing.
-PARTITION_UNIQUE_KEYS = (
-    "CREATE UNIQUE INDEX uq_events_event_id_{suffix} ON {partition} (event_id)",
-    "CREATE UNIQUE INDEX uq_events_stream_id_stream_version_{suffix} "
-    "ON {partition} (stream_id, stream_version)",
-)
-
 #: The partitions of events with their bounds, oldest first (the default one has no bounds).
 PARTITIONS = """
 SELECT c.relname AS name, pg_get_expr(c.relpartbound, c.oid) AS bound,
@@ -190,45 +177,6 @@ WHERE p.session_id IS NOT NULL
   AND NOT EXISTS (SELECT FROM events f WHERE f.session_id = p.session_id
                   AND f.event_type = 'session_finished')
 ORDER BY 1
-"""
-
-
-def seal_keys_of(name: str) -> str:
-    """Copy the uniqueness keys of one partition's events into `event_keys` (those already
-    there stay): what sealing a day does, and what archiving does before it detaches one."""
-    return f"""
-INSERT INTO event_keys (event_id, stream_id, stream_version)
-SELECT event_id, stream_id, stream_version FROM {name}
-ON CONFLICT DO NOTHING
-"""
-
-
-#: Every event recorded in [$1, $2) (any partition, the default one too) into `event_keys`.
-SEAL_KEYS_BETWEEN = """
-INSERT INTO event_keys (event_id, stream_id, stream_version)
-SELECT event_id, stream_id, stream_version FROM events
-WHERE recorded_at >= $1 AND recorded_at < $2
-ON CONFLICT DO NOTHING
-"""
-
-#: Up to when events' keys are in `event_keys` (-infinity: none are).
-SEALED_THROUGH = "SELECT coalesce(max(through), '-infinity') FROM event_keys_sealed"
-
-#: Two statements, in one transaction: the table holds one row.
-SET_SEALED_THROUGH = (
-    "DELETE FROM event_keys_sealed",
-    "INSERT INTO event_keys_sealed (through) VALUES ($1)",
-)
-
-
-def forget_keys_of(name: str) -> str:
-    """Forget the uniqueness keys of a partition's events, except each stream's last version:
-    stream versions keep increasing past archived events (`STREAM_VERSION`)."""
-    return f"""
-DELETE FROM event_keys k USING {name} p
-WHERE k.event_id = p.event_id
-  AND k.stream_version < (SELECT max(m.stream_version) FROM event_keys m
-                          WHERE m.stream_id = k.stream_id)
 """
 
 

@@ -34,7 +34,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP, UUID
 from sqlalchemy.dialects.postgresql.base import ischema_names
 from sqlalchemy.types import UserDefinedType
 
-from trajstore.store import queries, roles, views
+from trajstore.store import keys, queries, roles, views
 
 #: The channel live subscribers LISTEN on. Notifications carry no payload: they are a wake-up.
 NOTIFY_CHANNEL = "trajstore_events"
@@ -83,8 +83,8 @@ events = Table(
     Column("logprobs", LargeBinary),  # little-endian float32, one per token id
     # A partitioned table's unique constraints must include its partition key, which would make
     # them refuse nothing: each partition has unique indexes of its own on `event_id` and
-    # `(stream_id, stream_version)` (`queries.PARTITION_UNIQUE_KEYS`), and across partitions the
-    # keys are checked as described at `event_keys`.
+    # `(stream_id, stream_version)` (`store.keys`), and across partitions the keys are checked
+    # as `store.keys` describes.
     PrimaryKeyConstraint("position", "recorded_at"),
     Index(None, "tx_id", "position"),
     # read_session: a session's events in log order, straight from the index, no sort.
@@ -110,20 +110,7 @@ events = Table(
     postgresql_partition_by="RANGE (recorded_at)",
 )
 
-#: Event ids and stream versions are unique across the whole log, every partition and every
-#: day; how, without a second copy of every key on the hot path:
-#: - within a day, by the day partition's own unique indexes (`queries.PARTITION_UNIQUE_KEYS`);
-#: - across days, by a check before each write against the days before: `EventWriter` calls
-#:   `trajstore_check_keys` once per batch (its streams' runs of versions: a few dozen index
-#:   probes, not one per event), every other insert (`EventStore.append`, plain SQL) runs the row
-#:   trigger `events_keys`, which checks the row's id and (stream, version). Both first take the
-#:   stream's advisory lock (the one `EventStore.append` takes), so two writers of one stream
-#:   take turns and each sees what the other committed, across midnight too.
-#: - `event_keys` holds the keys of *sealed* days: when a day has closed, maintenance
-#:   (`store.partitions.seal_closed_days`) copies its keys here, so the checks probe one index
-#:   for all of them, plus the partitions recorded since `event_keys_sealed.through`.
-#: Archiving forgets the keys of archived events except each stream's last version, which keeps
-#: stream versions increasing (`queries.STREAM_VERSION` reads it).
+#: The keys of sealed days (and each archived stream's last version): see `store.keys`.
 event_keys = Table(
     "event_keys",
     metadata,
@@ -142,78 +129,6 @@ event_keys_sealed = Table(
     Column("through", TIMESTAMP(timezone=True), nullable=False),
     PrimaryKeyConstraint("through"),
 )
-
-#: Refuses a row whose id or (stream, version) is stored in another partition or sealed day; a
-#: row dated outside the days the checks probe (before `through`, or later than now: an explicit
-#: `recorded_at`) has its keys sealed at once. Runs for every insert into `events`
-#: except the writer's COPY, which `trajstore_check_keys` checked (and said so). SECURITY
-#: DEFINER: the recorder role may read `event_keys` but not write it.
-GUARD_KEYS_FUNCTION = """
-CREATE FUNCTION trajstore_guard_keys() RETURNS trigger LANGUAGE plpgsql
-SECURITY DEFINER SET search_path = public SET plan_cache_mode = force_generic_plan AS $$
-DECLARE
-    sealed timestamptz := (SELECT coalesce(max(through), '-infinity') FROM event_keys_sealed);
-BEGIN
-    PERFORM pg_advisory_xact_lock(hashtextextended(NEW.stream_id, 0));
-    IF EXISTS (SELECT FROM event_keys k WHERE k.event_id = NEW.event_id)
-       OR EXISTS (SELECT FROM event_keys k
-                  WHERE k.stream_id = NEW.stream_id AND k.stream_version = NEW.stream_version)
-       OR EXISTS (SELECT FROM events e
-                  WHERE e.event_id = NEW.event_id AND e.recorded_at >= sealed
-                    AND e.tableoid <> TG_RELID)
-       OR EXISTS (SELECT FROM events e
-                  WHERE e.stream_id = NEW.stream_id AND e.stream_version = NEW.stream_version
-                    AND e.recorded_at >= sealed AND e.tableoid <> TG_RELID)
-    THEN
-        RAISE EXCEPTION 'event % or version % of stream % is stored already',
-            NEW.event_id, NEW.stream_version, NEW.stream_id USING ERRCODE = 'unique_violation';
-    END IF;
-    IF NEW.recorded_at < sealed OR NEW.recorded_at > clock_timestamp() THEN
-        INSERT INTO event_keys VALUES (NEW.event_id, NEW.stream_id, NEW.stream_version);
-    END IF;
-    RETURN NULL;
-END
-$$"""
-
-#: The writer's check of a batch, before its COPY: no version in these runs ($1 stream, $2 first,
-#: $3 last version) is stored yet, on any day (ids are checked within the day by the partition's
-#: index: a retried event is the same stream and version, which this refuses, so the writer's
-#: look-up skips it). Then it marks the transaction checked, so `events_keys` lets the COPY's
-#: rows through without a trigger call each. Generic plans: planning the probes of every
-#: partition took longer than running them (which prune all but today's and the unsealed days'
-#: at run time), so each connection plans them once.
-CHECK_KEYS_FUNCTION = """
-CREATE FUNCTION trajstore_check_keys(streams text[], lows bigint[], highs bigint[])
-RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = public
-SET plan_cache_mode = force_generic_plan AS $$
-DECLARE
-    sealed timestamptz := (SELECT coalesce(max(through), '-infinity') FROM event_keys_sealed);
-    upto timestamptz;
-    clash record;
-BEGIN
-    PERFORM pg_advisory_xact_lock(key)
-    FROM (SELECT DISTINCT hashtextextended(s, 0) AS key FROM unnest(streams) AS s ORDER BY 1) k;
-    -- Read after the locks: every row committed so far was recorded before (later-dated rows
-    -- were sealed when inserted), so the days ahead's partitions need no probing.
-    upto := clock_timestamp();
-    SELECT b.stream_id, b.low, b.high INTO clash
-    FROM unnest(streams, lows, highs) AS b (stream_id, low, high)
-    WHERE EXISTS (SELECT FROM event_keys k WHERE k.stream_id = b.stream_id
-                  AND k.stream_version BETWEEN b.low AND b.high)
-       OR EXISTS (SELECT FROM events e WHERE e.stream_id = b.stream_id
-                  AND e.stream_version BETWEEN b.low AND b.high
-                  AND e.recorded_at >= sealed AND e.recorded_at <= upto)
-    LIMIT 1;
-    IF FOUND THEN
-        RAISE EXCEPTION 'a version in % to % of stream % is stored already',
-            clash.low, clash.high, clash.stream_id USING ERRCODE = 'unique_violation';
-    END IF;
-    PERFORM set_config('trajstore.keys_checked', 'on', true);
-END
-$$"""
-
-#: The row trigger's condition: not in a transaction whose writes `trajstore_check_keys` checked.
-KEYS_UNCHECKED = "current_setting('trajstore.keys_checked', true) IS DISTINCT FROM 'on'"
 
 
 def _ddl(statement: str) -> DDL:
@@ -322,16 +237,11 @@ $$"""
     ),
     *(
         _ddl(statement.format(partition=DEFAULT_PARTITION, suffix="default"))
-        for statement in queries.PARTITION_UNIQUE_KEYS
+        for statement in keys.PARTITION_UNIQUE_KEYS
     ),
-    _ddl(GUARD_KEYS_FUNCTION.replace("%", "%%")),
-    _ddl(CHECK_KEYS_FUNCTION.replace("%", "%%")),
-    # AFTER, not BEFORE: a BEFORE ROW trigger would make COPY insert row by row. Its WHEN
-    # clause keeps the writer's checked rows from queueing a call at all.
-    _ddl(
-        "CREATE TRIGGER events_keys AFTER INSERT ON events FOR EACH ROW "
-        f"WHEN ({KEYS_UNCHECKED}) EXECUTE FUNCTION trajstore_guard_keys()"
-    ),
+    _ddl(keys.GUARD_KEYS_FUNCTION.replace("%", "%%")),
+    _ddl(keys.CHECK_KEYS_FUNCTION.replace("%", "%%")),
+    _ddl(keys.ROW_TRIGGER),
     _ddl(
         "CREATE TRIGGER events_no_update BEFORE UPDATE ON events "
         "FOR EACH ROW EXECUTE FUNCTION trajstore_refuse_change()"

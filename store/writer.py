@@ -12,9 +12,9 @@ Nothing is dropped silently:
 - When PostgreSQL goes away, the batch is retried with backoff for up to `retry_timeout` seconds.
   A lost connection during COMMIT leaves it unknown whether the batch landed, so every retry
   first asks which of the batch's event ids are already stored and writes only the others: each
-  event is stored exactly once. Before each COPY one statement (`queries.CHECK_KEYS`) checks
+  event is stored exactly once. Before each COPY one statement (`keys.CHECK_KEYS`) checks
   that none of the batch's stream versions is stored on any day, and waits for any other writer
-  of those streams to finish first (`store.schema`, `event_keys`).
+  of those streams to finish first (`store.keys`).
 - When a batch is refused for its content (a conflicting stream version, say), it is split in
   halves until the offending events are isolated; the others are stored, the offenders are
   reported to `flush()` for their session and logged.
@@ -36,7 +36,7 @@ from typing import Any
 
 import asyncpg
 
-from trajstore.store import queries
+from trajstore.store import keys, queries
 from trajstore.store.connection import RETRYABLE_ERRORS, close_quietly, connect
 from trajstore.store.errors import (
     BadEvent,
@@ -56,31 +56,7 @@ APPLICATION_NAME = "trajstore-writer"
 #: A queued event is the very tuple COPY sends, in `queries.INSERT_COLUMNS` order: building it
 #: once, when the event is appended, is all the per-event work the writer does in Python.
 Row = tuple[Any, ...]
-_EVENT_ID, _STREAM_ID, _STREAM_VERSION, _SESSION_ID, _TOKEN_IDS = 0, 1, 2, 3, 7
-
-
-def stream_runs(batch: Sequence[Row]) -> tuple[list[str], list[int], list[int]]:
-    """The batch's runs of consecutive versions of one stream, as three columns (stream, first,
-    last): what `queries.CHECK_KEYS` checks. A producer appends a stream's events in order, so a
-    batch of thousands of events holds a few dozen runs."""
-    streams: list[str] = []
-    lows: list[int] = []
-    highs: list[int] = []
-    stream, low, last = None, 0, 0
-    for row in batch:
-        if row[_STREAM_ID] == stream and row[_STREAM_VERSION] == last + 1:
-            last += 1
-            continue
-        if stream is not None:
-            streams.append(stream)
-            lows.append(low)
-            highs.append(last)
-        stream, low, last = row[_STREAM_ID], row[_STREAM_VERSION], row[_STREAM_VERSION]
-    if stream is not None:
-        streams.append(stream)
-        lows.append(low)
-        highs.append(last)
-    return streams, lows, highs
+_EVENT_ID, _SESSION_ID, _TOKEN_IDS = 0, 3, 7
 
 
 def copy_row(stream_id: str, stream_version: int, e: NewEvent) -> Row:
@@ -163,7 +139,7 @@ class EventWriter:
             try:
                 # An empty check: the schema has what the writer needs, and the connection has
                 # planned the check's probes (once per connection, tens of ms on a new one).
-                await self._conn.execute(queries.CHECK_KEYS, [], [], [])
+                await self._conn.execute(keys.CHECK_KEYS, [], [], [])
             except asyncpg.UndefinedFunctionError as exc:
                 await self._drop_connection()
                 raise SchemaNotReady(
@@ -379,7 +355,7 @@ class EventWriter:
             if todo:
                 # Its streams' versions are not stored on any day yet, checked in one statement;
                 # within the day the partition's unique indexes refuse what slips in meanwhile.
-                await conn.execute(queries.CHECK_KEYS, *stream_runs(todo))
+                await conn.execute(keys.CHECK_KEYS, *keys.stream_runs(todo))
                 await conn.copy_records_to_table(
                     "events", records=todo, columns=queries.INSERT_COLUMNS
                 )

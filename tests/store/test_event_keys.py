@@ -11,11 +11,12 @@ import asyncpg
 import pytest
 
 from tests.store.partition_clock import days_ago, days_with_partitions, recorded_on
-from trajstore.store import EventStore, EventType, NewEvent, migrations, queries
+from trajstore.store import EventStore, EventType, NewEvent, keys, migrations
 from trajstore.store.errors import SchemaNotReady, WriteFailed
 from trajstore.store.events import new_event_id
+from trajstore.store.keys import stream_runs
 from trajstore.store.partitions import ensure_partitions, seal_closed_days
-from trajstore.store.writer import copy_row, stream_runs
+from trajstore.store.writer import copy_row
 
 
 def chunk(session: str = "s1") -> NewEvent:
@@ -103,7 +104,7 @@ async def test_two_writers_of_one_stream_across_midnight_take_turns(store: Event
     try:
         tx = late.transaction()
         await tx.start()
-        await late.execute(queries.CHECK_KEYS, ["request-m"], [1], [1])
+        await late.execute(keys.CHECK_KEYS, ["request-m"], [1], [1])
         await late.execute(
             "INSERT INTO events (event_id, stream_id, stream_version, event_type, recorded_at) "
             "VALUES ($1, 'request-m', 1, 'completion_chunk', $2)",
