@@ -116,7 +116,11 @@ class Agent:
         created = await self._post(f"{self.proxy}/sessions", orjson.dumps(create))
         self.headers = {"Authorization": f"Bearer {created['api_key']}"}
         self.url = created["base_url"] + "/chat/completions"
+        started = time.perf_counter()
         for turn in range(turns):
+            if turn and turn % 1000 == 0 and self.session_id == "long-0":
+                print(f"  {self.session_id}: {turn} turns, {time.perf_counter() - started:.0f} s, "
+                      f"prompt {tally.longest_prompt:,} tokens", flush=True)  # fmt: skip
             if turn % SIDE_EVERY == SIDE_EVERY - 1:
                 title = [{"role": "user", "content": f"A title for this session, call {turn}"}]
                 body = orjson.dumps({"model": "tiny", "max_tokens": MAX_TOKENS, "messages": title})

@@ -290,7 +290,7 @@ def _add_routes(app: FastAPI) -> None:
         the log stores them: the answer grows with the session, not its square) and its
         `lineage` and `branch`; with `after` and `limit`, a page of turns and `next`, the URL of
         the page after it; with `turn`, that turn also whole (`prompt_token_ids`, all its
-        `messages`). See `store.pages`."""
+        `messages`) when the page holds it. See `store.pages`."""
         _require_session_key(state, session_id, authorization)
         await state.registry.get(session_id)
         await state.registry.writer.flush()  # show what this replica recorded so far

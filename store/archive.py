@@ -326,12 +326,15 @@ def archived_events(out: Path, session_id: str) -> list[RecordedEvent]:
     return cast(list[RecordedEvent], events)
 
 
-def archived_requests(out: Path, streams: Iterable[str]) -> list[tuple[str, str, str]]:
-    """(stream_id, event_type, payload as JSON text) of the archive's `request_received` and
-    `completion_finished` events of these request streams: what the export reads of a request
-    from the log (`queries.READ_CONVERSATIONS`) when its day was archived."""
-    wanted = sorted(set(streams))
-    if not wanted:
+def archived_requests(
+    out: Path, sessions: Iterable[str], streams: Iterable[str]
+) -> list[tuple[str, str, str]]:
+    """(stream_id, event_type, payload as JSON text) of the archive's `request_received` events
+    of these sessions, and the `completion_finished` of these request streams: what the export
+    reads of a session's requests from the log (`queries.READ_CONVERSATIONS`) when their days
+    were archived."""
+    wanted_sessions, wanted_streams = sorted(set(sessions)), set(streams)
+    if not wanted_sessions:
         return []
     rows: list[tuple[str, str, str]] = []
     for entry in read_manifest(out)["partitions"]:
@@ -339,11 +342,15 @@ def archived_requests(out: Path, streams: Iterable[str]) -> list[tuple[str, str,
             out / entry["file"],
             columns=["stream_id", "event_type", "payload"],
             filters=[
-                ("stream_id", "in", wanted),
+                ("session_id", "in", wanted_sessions),
                 ("event_type", "in", ["request_received", "completion_finished"]),
             ],
         )
-        rows += [(r["stream_id"], r["event_type"], r["payload"]) for r in table.to_pylist()]
+        rows += [
+            (r["stream_id"], r["event_type"], r["payload"])
+            for r in table.to_pylist()
+            if r["event_type"] == "request_received" or r["stream_id"] in wanted_streams
+        ]
     return rows
 
 

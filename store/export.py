@@ -113,7 +113,7 @@ async def records(
         )
         if not rows:
             return
-        conversations = await _conversations(store, [_last_request(r) for r in rows], archive)
+        conversations = await _conversations(store, rows, archive)
         yield [_record(row, conversations) for row in rows]
         last = rows[-1]
         after = (
@@ -123,12 +123,14 @@ async def records(
 
 
 async def _conversations(
-    store: EventStore, request_ids: list[str], archive: Path | None = None
+    store: EventStore, rows: list[Any], archive: Path | None = None
 ) -> dict[str, Any]:
-    """request id -> its whole messages followed by the model's reply (or prompt and text).
-    With `archive` (a `trajstore archive` directory), requests whose days were archived are read
-    from it, and so are the earlier requests their messages continue."""
-    streams = [request_stream(r) for r in request_ids]
+    """request id -> its whole messages followed by the model's reply (or prompt and text), for
+    each row's last request. The requests of the rows' sessions are read in one pass (a sample's
+    messages continue earlier requests of its session); with `archive` (a `trajstore archive`
+    directory), those whose days were archived are read from it."""
+    sessions = sorted({row["session_id"] for row in rows})
+    streams = [request_stream(_last_request(row)) for row in rows]
     asked: dict[str, dict[str, Any]] = {}
     replies: dict[str, dict[str, Any]] = {}
 
@@ -140,24 +142,18 @@ async def _conversations(
             if reply is not None:
                 replies[stream_id] = reply
 
-    for row in await store.pool.fetch(queries.READ_CONVERSATIONS, streams):
+    for row in await store.pool.fetch(queries.READ_CONVERSATIONS, sessions, streams):
         take(row["stream_id"], row["event_type"], orjson.loads(row["payload"]))
-    looked: set[str] = set()
-    while archive is not None:
-        # What the log did not have: the requests themselves, and the ones they continue.
-        continued = (
-            request_stream(p["messages_prefix"]["request_id"])
-            for p in asked.values()
-            if isinstance(p.get("messages_prefix"), dict)
-        )
-        missing = {s for s in (*streams, *continued) if s not in asked} - looked
-        if not missing:
-            break
-        looked |= missing
-        for stream_id, event_type, payload in await asyncio.to_thread(
-            archived_requests, archive, missing
-        ):
-            take(stream_id, event_type, orjson.loads(payload))
+    continued = (
+        request_stream(p["messages_prefix"]["request_id"])
+        for p in asked.values()
+        if isinstance(p.get("messages_prefix"), dict)
+    )
+    if archive is not None and any(s not in asked for s in (*streams, *continued)):
+        archived = await asyncio.to_thread(archived_requests, archive, sessions, streams)
+        for stream_id, event_type, payload in archived:
+            if stream_id not in asked or event_type != "request_received":
+                take(stream_id, event_type, orjson.loads(payload))
     chains = Messages()
     for stream, received in asked.items():
         stored = (received.get("body") or {}).get("messages")

@@ -286,23 +286,16 @@ LIMIT $8
 """
 )
 
-#: What a sample's last request asked and how the model replied (request streams), with the
-#: requests its messages continue (`messages_prefix`, followed back; UNION stops at a loop).
+#: What the requests of these sessions asked, and how the model replied to these requests (the
+#: samples' last ones): the messages a sample's last request continues (`messages_prefix`) are
+#: followed in Python. One pass over the sessions' events on the session index, linear in them;
+#: a recursive CTE following the references joined once per link, a scan of `events` each time
+#: (minutes for one 5,000-turn session).
 READ_CONVERSATIONS = """
-WITH RECURSIVE asked (stream_id, payload) AS (
-    SELECT stream_id, payload FROM events
-    WHERE stream_id = ANY($1::text[]) AND event_type = 'request_received'
-    UNION
-    SELECT earlier.stream_id, earlier.payload
-    FROM asked
-    JOIN events earlier
-      ON earlier.stream_id = 'request-' || (asked.payload -> 'messages_prefix' ->> 'request_id')
-     AND earlier.event_type = 'request_received'
-)
-SELECT stream_id, 'request_received' AS event_type, payload FROM asked
-UNION ALL
 SELECT stream_id, event_type, payload FROM events
-WHERE stream_id = ANY($1::text[]) AND event_type = 'completion_finished'
+WHERE session_id = ANY($1::text[])
+  AND (event_type = 'request_received'
+       OR (event_type = 'completion_finished' AND stream_id = ANY($2::text[])))
 """
 
 #: The bytes of data images, by hash, from the sessions that recorded them (`image_recorded`;

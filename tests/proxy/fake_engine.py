@@ -278,7 +278,7 @@ class FakeEngine:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen and return the base URL (``http://host:port``, without ``/v1``)."""
-        app = web.Application()
+        app = web.Application(client_max_size=256 << 20)  # vLLM takes 200 k-token prompts
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", partial(self._serve, api="chat"))
