@@ -73,6 +73,7 @@ async def run_config(
     run_id: str,
     eval_sessions: int,
     on_step: Callable[[dict[str, float]], None] | None = None,
+    checkpoint_dir: Path | None = None,
 ) -> dict[str, object]:
     """One live run from policy v0: eval on v0, train `config.policies` versions, eval again.
 
@@ -89,8 +90,9 @@ async def run_config(
             agents = AgentPool(services.proxy_url, SERVED_NAME, run_id, config, http)
             before = await agents.evaluate(f"{run_id}-eval-v0", eval_sessions)
             history = await train_live(
-                store, learner, publisher, agents, training_run=run_id, on_step=on_step
-            )
+                store, learner, publisher, config, run_id=run_id, training_run=run_id,
+                agents=agents, checkpoint_dir=checkpoint_dir, on_step=on_step,
+            )  # fmt: skip
             after = await agents.evaluate(f"{run_id}-eval-v{config.policies}", eval_sessions)
     finally:
         await publisher.close()
@@ -121,10 +123,12 @@ def report(result: dict[str, object], policies: int) -> str:
               help="Sessions on v0 and on the last policy, not trained on.")  # fmt: skip
 @click.option("--device", default="auto", show_default=True, help="auto | cuda | cpu")
 @click.option("--run-id", default=None, help="Run id of the sessions [default: live-<random>].")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Checkpoint every step; resume from the last one there.")  # fmt: skip
 @click.pass_context
 def train(
     ctx: click.Context, policies: int, batch_size: int, group_size: int, max_lag: int, tis: bool,
-    lr: float, eval_sessions: int, device: str, run_id: str | None,
+    lr: float, eval_sessions: int, device: str, run_id: str | None, checkpoint_dir: Path | None,
 ) -> None:  # fmt: skip
     """Agents through the proxy, trained on live as they finish; each policy published."""
     from trajstore.proxy.cli import store_settings_of
@@ -150,6 +154,7 @@ def train(
                 return await run_config(
                     services, config, learner_config, run_id=run_id,
                     eval_sessions=eval_sessions, on_step=lambda m: click.echo(describe_step(m)),
+                    checkpoint_dir=checkpoint_dir,
                 )  # fmt: skip
 
         result = asyncio.run(main())
