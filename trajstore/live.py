@@ -23,11 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from trajstore.live_agents import AgentPool, reward
+from trajstore.live_agents import AgentPool, LiveConfig, reward
 from trajstore.store import EventStore
 from trajstore.trainer.checkpoint import (
     TrainingState,
@@ -49,19 +48,6 @@ class Publishes(Protocol):
     """What the loop needs of a publisher (`trajstore.publish.Publisher`)."""
 
     async def publish(self, model: Any, version: int) -> Path: ...
-
-
-@dataclass(frozen=True)
-class LiveConfig:
-    """The loop's knobs; the defaults learn the toy task in a minute or two on 2 cores."""
-
-    policies: int = 8  #: policy versions to train (one learner step and one publish each)
-    batch_size: int = 16  #: sessions per step (a multiple of `group_size`)
-    group_size: int = 8  #: sessions per question (a GRPO group)
-    max_lag: int = 0  #: how many versions a batch's policy may be behind (0: on-policy)
-    concurrency: int = 8  #: sessions at once
-    max_tokens: int = 16  #: tokens per answer
-    seed: int = 0  #: picks the questions
 
 
 async def train_live(

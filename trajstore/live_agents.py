@@ -12,21 +12,30 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import httpx
 from openai import AsyncOpenAI
 
 from trajstore.trainer import toy_task
 
-if TYPE_CHECKING:
-    from trajstore.live import LiveConfig
-
 
 def reward(answer: str) -> float:
     """The share of the answer's non-space characters that are digits (0 for an empty one)."""
     text = "".join(answer.split())
     return sum(c.isdigit() for c in text) / len(text) if text else 0.0
+
+
+@dataclass(frozen=True)
+class LiveConfig:
+    """The loop's knobs; the defaults learn the toy task in a minute or two on 2 cores."""
+
+    policies: int = 8  #: policy versions to train (one learner step and one publish each)
+    batch_size: int = 16  #: sessions per step (a multiple of `group_size`)
+    group_size: int = 8  #: sessions per question (a GRPO group)
+    max_lag: int = 0  #: how many versions a batch's policy may be behind (0: on-policy)
+    concurrency: int = 8  #: sessions at once
+    max_tokens: int = 16  #: tokens per answer
+    seed: int = 0  #: picks the questions
 
 
 @dataclass
