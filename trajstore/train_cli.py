@@ -118,7 +118,7 @@ def report(result: dict[str, object], policies: int) -> str:
               help="Policy versions a batch may be behind (0: on-policy).")  # fmt: skip
 @click.option("--tis/--no-tis", default=True, show_default=True,
               help="Truncated importance weights against the engine's logprobs.")  # fmt: skip
-@click.option("--lr", default=3e-3, show_default=True, help="AdamW learning rate.")
+@click.option("--lr", default=2e-2, show_default=True, help="AdamW learning rate.")
 @click.option("--eval-sessions", default=64, show_default=True,
               help="Sessions on v0 and on the last policy, not trained on.")  # fmt: skip
 @click.option("--device", default="auto", show_default=True, help="auto | cuda | cpu")
