@@ -27,7 +27,7 @@ def reward(answer: str) -> float:
 
 @dataclass(frozen=True)
 class LiveConfig:
-    """The loop's knobs; the defaults learn the toy task in a minute or two on 2 cores."""
+    """The loop's knobs: with lr 2e-2 (`trajstore train`'s), 8 policies learn the toy task."""
 
     policies: int = 8  #: policy versions to train (one learner step and one publish each)
     batch_size: int = 16  #: sessions per step (a multiple of `group_size`)

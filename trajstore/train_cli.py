@@ -19,15 +19,13 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import httpx
 
-from trajstore.live import AgentPool, LiveConfig, describe_step, summary, train_live
-from trajstore.publish import Publisher, untied_copy
-from trajstore.store.eventstore import EventStore
-from trajstore.trainer.learner import Learner, LearnerConfig
-from trajstore.vllm_server import VllmServer
+if TYPE_CHECKING:  # torch and the trainer load on use: `trajstore --help` stays fast
+    from trajstore.live import LiveConfig
+    from trajstore.trainer.learner import LearnerConfig
 
 SERVED_NAME = "tiny"
 
@@ -49,7 +47,9 @@ async def live_services(
 ) -> AsyncIterator[LiveServices]:
     """Serve `base_model` (untied) on a dev-mode vLLM, and a proxy + projector on `database_url`."""
     from trajstore.proxy.cli import free_port_from, proxy_settings
+    from trajstore.publish import untied_copy
     from trajstore.stack import serving
+    from trajstore.vllm_server import VllmServer
 
     model_dir = await asyncio.to_thread(untied_copy, base_model, work_dir / "v0")
     engine = VllmServer(
@@ -79,6 +79,13 @@ async def run_config(
 
     The engine is reset to v0's weights first, so runs in one process start alike.
     """
+    import httpx
+
+    from trajstore.live import AgentPool, train_live
+    from trajstore.publish import Publisher
+    from trajstore.store.eventstore import EventStore
+    from trajstore.trainer.learner import Learner
+
     publisher = Publisher(services.engine_url, services.proxy_url, services.publish_dir / run_id)
     learner = await asyncio.to_thread(Learner.load, services.model_dir, learner_config)
     try:
@@ -101,6 +108,8 @@ async def run_config(
 
 def report(result: dict[str, object], policies: int) -> str:
     """v_k against v_0: means, the difference and its standard error."""
+    from trajstore.live import summary
+
     (m0, se0), (mk, sek) = summary(result["before"]), summary(result["after"])  # type: ignore[arg-type]
     diff, se = mk - m0, (se0**2 + sek**2) ** 0.5
     n = len(result["before"])  # type: ignore[arg-type]
@@ -131,8 +140,10 @@ def train(
     lr: float, eval_sessions: int, device: str, run_id: str | None, checkpoint_dir: Path | None,
 ) -> None:  # fmt: skip
     """Agents through the proxy, trained on live as they finish; each policy published."""
+    from trajstore.live import LiveConfig, describe_step
     from trajstore.proxy.cli import store_settings_of
     from trajstore.stack import backends, cached_tiny_model
+    from trajstore.trainer.learner import LearnerConfig
 
     if batch_size % group_size:
         raise click.UsageError("--batch-size must be a multiple of --group-size")
