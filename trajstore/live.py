@@ -22,172 +22,84 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
-import httpx
-from openai import AsyncOpenAI
-
-from trajstore.publish import Publisher
+from trajstore.live_agents import AgentPool, LiveConfig, reward
 from trajstore.store import EventStore
-from trajstore.trainer import toy_task
+from trajstore.trainer.checkpoint import (
+    TrainingState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from trajstore.trainer.collate import Layout
 from trajstore.trainer.learner import Learner
-from trajstore.trainer.ledger import record_step
-from trajstore.trainer.replay import replay_live
+from trajstore.trainer.ledger import read_step, record_step
+from trajstore.trainer.recipe import recorded_steps
+from trajstore.trainer.replay import LiveCheckpoint, replay_live
 from trajstore.trainer.selection import Selection
 
-
-def reward(answer: str) -> float:
-    """The share of the answer's non-space characters that are digits (0 for an empty one)."""
-    text = "".join(answer.split())
-    return sum(c.isdigit() for c in text) / len(text) if text else 0.0
+__all__ = ["AgentPool", "LiveConfig", "reward", "train_live"]
 
 
-@dataclass(frozen=True)
-class LiveConfig:
-    """The loop's knobs; the defaults learn the toy task in a minute or two on 2 cores."""
+class Publishes(Protocol):
+    """What the loop needs of a publisher (`trajstore.publish.Publisher`)."""
 
-    policies: int = 8  #: policy versions to train (one learner step and one publish each)
-    batch_size: int = 16  #: sessions per step (a multiple of `group_size`)
-    group_size: int = 8  #: sessions per question (a GRPO group)
-    max_lag: int = 0  #: how many versions a batch's policy may be behind (0: on-policy)
-    concurrency: int = 8  #: sessions at once
-    max_tokens: int = 16  #: tokens per answer
-    seed: int = 0  #: picks the questions
-
-
-@dataclass
-class AgentPool:
-    """Starts toy sessions through the proxy, throttled by the trainer's progress."""
-
-    proxy_url: str
-    model: str
-    run_id: str
-    config: LiveConfig
-    http: httpx.AsyncClient
-    started: int = 0
-    consumed: int = 0  #: sessions the trainer has taken (trained on or dropped)
-    progress: asyncio.Condition = field(default_factory=asyncio.Condition)
-    rewards: list[float] = field(default_factory=list)
-
-    async def session(self, run_id: str, group_id: str, question: str) -> float:
-        """One session: created, one chat call at temperature 1, rewarded, finished."""
-        created = (
-            await self.http.post(
-                f"{self.proxy_url}/sessions",
-                json={"run_id": run_id, "task_id": group_id, "group_id": group_id,
-                      "metadata": {"tags": ["live"]}},
-            )
-        ).raise_for_status().json()  # fmt: skip
-        agent = AsyncOpenAI(base_url=created["base_url"], api_key=created["api_key"], max_retries=0)
-        try:
-            reply = await agent.chat.completions.create(
-                model=self.model, messages=[{"role": "user", "content": question}],
-                max_tokens=self.config.max_tokens, temperature=1.0,
-            )  # fmt: skip
-        finally:
-            await agent.close()
-        value = reward(reply.choices[0].message.content or "")
-        orchestrator = {"Authorization": f"Bearer {created['orchestrator_key']}"}
-        sid = created["session_id"]
-        await self.http.post(
-            f"{self.proxy_url}/sessions/{sid}/reward",
-            json={"value": value, "source": "trajstore.live.reward"}, headers=orchestrator,
-        )  # fmt: skip
-        (
-            await self.http.post(
-                f"{self.proxy_url}/sessions/{sid}/finish", json={"status": "completed"},
-                headers=orchestrator,
-            )
-        ).raise_for_status()  # fmt: skip
-        return value
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Start groups of sessions while the lag allows, until `stop` is set."""
-        rng = random.Random(self.config.seed)
-        questions = toy_task.questions()
-        ahead = (self.config.max_lag + 1) * self.config.batch_size
-        gate = asyncio.Semaphore(self.config.concurrency)
-        running: set[asyncio.Task[float]] = set()
-        number = 0
-        try:
-            while not stop.is_set():
-                async with self.progress:
-                    await self.progress.wait_for(
-                        lambda: stop.is_set() or self.started - self.consumed < ahead
-                    )
-                if stop.is_set():
-                    break
-                question, group = rng.choice(questions), f"{self.run_id}-g{number}"
-                number += 1
-                self.started += self.config.group_size
-                for _ in range(self.config.group_size):
-                    task = asyncio.create_task(self._gated(gate, group, question))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-        finally:
-            # Sessions under way finish (an open session would hold its group back forever).
-            for result in await asyncio.gather(*running, return_exceptions=True):
-                if isinstance(result, BaseException):
-                    raise result
-
-    async def _gated(self, gate: asyncio.Semaphore, group: str, question: str) -> float:
-        async with gate:
-            value = await self.session(self.run_id, group, question)
-        self.rewards.append(value)
-        return value
-
-    async def take(self, sessions: int) -> None:
-        """The trainer took `sessions` more: let that many more start."""
-        async with self.progress:
-            self.consumed = sessions
-            self.progress.notify_all()
-
-    async def evaluate(self, run_id: str, sessions: int) -> list[float]:
-        """Rewards of `sessions` new sessions on the engine's current policy (not trained on)."""
-        rng = random.Random(self.config.seed + 1)
-        gate = asyncio.Semaphore(self.config.concurrency)
-        questions = toy_task.questions()
-
-        async def one(i: int) -> float:
-            async with gate:
-                return await self.session(run_id, f"{run_id}-e{i}", rng.choice(questions))
-
-        return list(await asyncio.gather(*(one(i) for i in range(sessions))))
+    async def publish(self, model: Any, version: int) -> Path: ...
 
 
 async def train_live(
     store: EventStore,
     learner: Learner,
-    publisher: Publisher,
-    agents: AgentPool,
+    publisher: Publishes,
+    config: LiveConfig,
     *,
+    run_id: str,
     training_run: str,
+    agents: AgentPool | None = None,
+    checkpoint_dir: Path | None = None,
     on_step: Callable[[dict[str, float]], None] | None = None,
 ) -> list[dict[str, float]]:
-    """Run the agents and train on their samples until `policies` versions are published.
+    """Train on run `run_id`'s samples as they arrive until `config.policies` versions exist.
+
+    With `agents`, they generate the run meanwhile (throttled by the lag); without, the samples
+    come from elsewhere (`trajstore run`, your own agents). Each step publishes its policy and
+    is recorded in the ledger as step N = policy version N. With `checkpoint_dir`, a checkpoint
+    follows every step (weights, optimiser, version, the live replay's position), and a run
+    that finds one resumes from it: the learner's weights are published again as its version,
+    and the replay goes on where it stood. A step recorded after the last checkpoint (a kill
+    between the two) lost its update: its samples are not trained again, and the resumed
+    run's weights are published under that step's version.
 
     Returns each step's metrics (with `policy_version`, the version the step produced, and
     `staleness_mean`, the mean lag of the batch's samples).
     """
-    config = agents.config
-    policy = [0]  # the trainer's current version, read by the replay as each batch is made
+    state, live = await _resume(store, learner, training_run, checkpoint_dir)
+    if state.policy_version >= config.policies:
+        return []
+    policy = [state.policy_version]  # the trainer's version, read by the replay per batch
+    if policy[0] > 0:
+        await publisher.publish(learner.model, policy[0])  # the engine serves what is trained
     history: list[dict[str, float]] = []
     stop = asyncio.Event()
-    generating = asyncio.create_task(agents.run(stop))
+    generating = None
+    if agents is not None:
+        agents.started = agents.consumed = len(live.delivered) if live else 0
+        generating = asyncio.create_task(agents.run(stop))
     layout = Layout(batch_size=config.batch_size)
-    selection = Selection(runs=(agents.run_id,))
     try:
         async for batch, checkpoint in replay_live(
-            store, selection, batch_size=config.batch_size, group_size=config.group_size,
-            policy_version=lambda: policy[0], max_lag=config.max_lag, poll_interval=0.1,
+            store, Selection(runs=(run_id,)), batch_size=config.batch_size,
+            group_size=config.group_size, checkpoint=live, policy_version=lambda: policy[0],
+            max_lag=config.max_lag, poll_interval=0.1,
         ):  # fmt: skip
-            if generating.done():
+            if policy[0] >= config.policies:
+                break
+            if generating is not None and generating.done():
                 generating.result()  # raise why the agents stopped
-            # In a thread: the proxy may share this event loop (`trajstore train` serves it).
+            # In threads: the proxy may share this event loop (`trajstore train` serves it).
             prepared = await asyncio.to_thread(learner.prepare, batch)
             metrics = await asyncio.to_thread(learner.step, prepared)
             samples = batch.get_non_tensor("samples")
@@ -199,19 +111,48 @@ async def train_live(
                 store, training_run, version, batch, layout=layout, metrics=metrics,
                 model_version=version, replay={"live": checkpoint.as_json()},
             )  # fmt: skip
+            if checkpoint_dir is not None:
+                at = TrainingState(step=version, policy_version=version, live=checkpoint.as_json())
+                await asyncio.to_thread(
+                    save_checkpoint, checkpoint_dir, learner.model, learner.optimiser, at
+                )
             history.append(metrics)
             if on_step is not None:
                 on_step(metrics)
-            await agents.take(len(checkpoint.delivered))
-            if version == config.policies:
+            if agents is not None:
+                await agents.take(len(checkpoint.delivered))
+            if version >= config.policies:
                 break
     finally:
-        stop.set()
-        async with agents.progress:
-            agents.progress.notify_all()
-        with contextlib.suppress(asyncio.CancelledError):
-            await generating
+        if agents is not None and generating is not None:
+            stop.set()
+            async with agents.progress:
+                agents.progress.notify_all()
+            with contextlib.suppress(asyncio.CancelledError):
+                await generating
     return history
+
+
+async def _resume(
+    store: EventStore, learner: Learner, training_run: str, checkpoint_dir: Path | None
+) -> tuple[TrainingState, LiveCheckpoint | None]:
+    """Where a live run stands: its last checkpoint, and the steps the ledger has beyond it."""
+    state, live = TrainingState(), None
+    if checkpoint_dir is not None and (found := latest_checkpoint(checkpoint_dir)) is not None:
+        state = await asyncio.to_thread(load_checkpoint, found, learner.model, learner.optimiser)
+        live = LiveCheckpoint.from_json(state.live) if state.live else None
+    recorded = await recorded_steps(store, training_run)
+    if recorded > state.policy_version:
+        # Recorded, then killed before the checkpoint: those samples were delivered (their
+        # update is lost); the next version is the ledger's next step.
+        delivered = set(live.delivered) if live else set()
+        for step in range(state.policy_version + 1, recorded + 1):
+            delivered |= set((await read_step(store, training_run, step))["sample_ids"])
+        base = live or LiveCheckpoint()
+        pending = tuple(i for i in base.pending if i not in delivered)
+        live = LiveCheckpoint(base.projected_tx, base.projected_seq, frozenset(delivered), pending)
+        state = TrainingState(step=recorded, policy_version=recorded, live=live.as_json())
+    return state, live
 
 
 async def rewards_by_version(store: EventStore, run_id: str) -> list[tuple[int, int, float]]:

@@ -19,15 +19,13 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import httpx
 
-from trajstore.live import AgentPool, LiveConfig, describe_step, summary, train_live
-from trajstore.publish import Publisher, untied_copy
-from trajstore.store.eventstore import EventStore
-from trajstore.trainer.learner import Learner, LearnerConfig
-from trajstore.vllm_server import VllmServer
+if TYPE_CHECKING:  # torch and the trainer load on use: `trajstore --help` stays fast
+    from trajstore.live import LiveConfig
+    from trajstore.trainer.learner import LearnerConfig
 
 SERVED_NAME = "tiny"
 
@@ -49,7 +47,9 @@ async def live_services(
 ) -> AsyncIterator[LiveServices]:
     """Serve `base_model` (untied) on a dev-mode vLLM, and a proxy + projector on `database_url`."""
     from trajstore.proxy.cli import free_port_from, proxy_settings
+    from trajstore.publish import untied_copy
     from trajstore.stack import serving
+    from trajstore.vllm_server import VllmServer
 
     model_dir = await asyncio.to_thread(untied_copy, base_model, work_dir / "v0")
     engine = VllmServer(
@@ -73,11 +73,19 @@ async def run_config(
     run_id: str,
     eval_sessions: int,
     on_step: Callable[[dict[str, float]], None] | None = None,
+    checkpoint_dir: Path | None = None,
 ) -> dict[str, object]:
     """One live run from policy v0: eval on v0, train `config.policies` versions, eval again.
 
     The engine is reset to v0's weights first, so runs in one process start alike.
     """
+    import httpx
+
+    from trajstore.live import AgentPool, train_live
+    from trajstore.publish import Publisher
+    from trajstore.store.eventstore import EventStore
+    from trajstore.trainer.learner import Learner
+
     publisher = Publisher(services.engine_url, services.proxy_url, services.publish_dir / run_id)
     learner = await asyncio.to_thread(Learner.load, services.model_dir, learner_config)
     try:
@@ -89,8 +97,9 @@ async def run_config(
             agents = AgentPool(services.proxy_url, SERVED_NAME, run_id, config, http)
             before = await agents.evaluate(f"{run_id}-eval-v0", eval_sessions)
             history = await train_live(
-                store, learner, publisher, agents, training_run=run_id, on_step=on_step
-            )
+                store, learner, publisher, config, run_id=run_id, training_run=run_id,
+                agents=agents, checkpoint_dir=checkpoint_dir, on_step=on_step,
+            )  # fmt: skip
             after = await agents.evaluate(f"{run_id}-eval-v{config.policies}", eval_sessions)
     finally:
         await publisher.close()
@@ -99,6 +108,8 @@ async def run_config(
 
 def report(result: dict[str, object], policies: int) -> str:
     """v_k against v_0: means, the difference and its standard error."""
+    from trajstore.live import summary
+
     (m0, se0), (mk, sek) = summary(result["before"]), summary(result["after"])  # type: ignore[arg-type]
     diff, se = mk - m0, (se0**2 + sek**2) ** 0.5
     n = len(result["before"])  # type: ignore[arg-type]
@@ -116,19 +127,23 @@ def report(result: dict[str, object], policies: int) -> str:
               help="Policy versions a batch may be behind (0: on-policy).")  # fmt: skip
 @click.option("--tis/--no-tis", default=True, show_default=True,
               help="Truncated importance weights against the engine's logprobs.")  # fmt: skip
-@click.option("--lr", default=3e-3, show_default=True, help="AdamW learning rate.")
+@click.option("--lr", default=2e-2, show_default=True, help="AdamW learning rate.")
 @click.option("--eval-sessions", default=64, show_default=True,
               help="Sessions on v0 and on the last policy, not trained on.")  # fmt: skip
 @click.option("--device", default="auto", show_default=True, help="auto | cuda | cpu")
 @click.option("--run-id", default=None, help="Run id of the sessions [default: live-<random>].")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Checkpoint every step; resume from the last one there.")  # fmt: skip
 @click.pass_context
 def train(
     ctx: click.Context, policies: int, batch_size: int, group_size: int, max_lag: int, tis: bool,
-    lr: float, eval_sessions: int, device: str, run_id: str | None,
+    lr: float, eval_sessions: int, device: str, run_id: str | None, checkpoint_dir: Path | None,
 ) -> None:  # fmt: skip
     """Agents through the proxy, trained on live as they finish; each policy published."""
+    from trajstore.live import LiveConfig, describe_step
     from trajstore.proxy.cli import store_settings_of
     from trajstore.stack import backends, cached_tiny_model
+    from trajstore.trainer.learner import LearnerConfig
 
     if batch_size % group_size:
         raise click.UsageError("--batch-size must be a multiple of --group-size")
@@ -150,6 +165,7 @@ def train(
                 return await run_config(
                     services, config, learner_config, run_id=run_id,
                     eval_sessions=eval_sessions, on_step=lambda m: click.echo(describe_step(m)),
+                    checkpoint_dir=checkpoint_dir,
                 )  # fmt: skip
 
         result = asyncio.run(main())
