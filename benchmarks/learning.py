@@ -92,7 +92,9 @@ async def main(args: argparse.Namespace) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="trajstore-learning-") as work:
             base = build_tiny_model(Path(work) / "tiny")
-            async with live_services(url, base, Path(work) / "served") as services:
+            log = args.vllm_log
+            print(f"vLLM's log: {log}", flush=True)
+            async with live_services(url, base, Path(work) / "served", log) as services:
                 for repeat, (name, lag, tis) in _schedule(args):
                     run_id = name.replace(" ", "").replace(",", "-") + f"-r{repeat}"
                     config = LiveConfig(policies=args.policies, batch_size=args.batch_size,
@@ -173,4 +175,6 @@ if __name__ == "__main__":
     parser.add_argument("--png", type=Path, help="write the curve here")
     parser.add_argument("--quick", action="store_true", help="the lag-0 run only (CI)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration")
+    default_log = Path(tempfile.gettempdir()) / "learning-vllm.log"
+    parser.add_argument("--vllm-log", type=Path, default=default_log, help="vLLM's output")
     asyncio.run(main(parser.parse_args()))

@@ -83,22 +83,14 @@ async def train_live(
     if policy[0] > 0:
         await publisher.publish(learner.model, policy[0])  # the engine serves what is trained
     history: list[dict[str, float]] = []
-    stop = asyncio.Event()
-    generating = None
-    if agents is not None:
-        agents.started = agents.consumed = len(live.delivered) if live else 0
-        generating = asyncio.create_task(agents.run(stop))
     layout = Layout(batch_size=config.batch_size)
-    try:
+
+    async def train() -> None:
         async for batch, checkpoint in replay_live(
             store, Selection(runs=(run_id,)), batch_size=config.batch_size,
             group_size=config.group_size, checkpoint=live, policy_version=lambda: policy[0],
             max_lag=config.max_lag, poll_interval=0.1,
         ):  # fmt: skip
-            if policy[0] >= config.policies:
-                break
-            if generating is not None and generating.done():
-                generating.result()  # raise why the agents stopped
             # In threads: the proxy may share this event loop (`trajstore train` serves it).
             prepared = await asyncio.to_thread(learner.prepare, batch)
             metrics = await asyncio.to_thread(learner.step, prepared)
@@ -119,17 +111,35 @@ async def train_live(
             history.append(metrics)
             if on_step is not None:
                 on_step(metrics)
+            if version >= config.policies:
+                return  # before letting agents start sessions no step will train on
             if agents is not None:
                 await agents.take(len(checkpoint.delivered))
-            if version >= config.policies:
-                break
+
+    if agents is None:
+        await train()
+        return history
+    agents.started = agents.consumed = len(live.delivered) if live else 0
+    stop = asyncio.Event()
+    generating = asyncio.create_task(agents.run(stop))
+    training = asyncio.create_task(train())
+    try:
+        # The agents failing (a group that cannot be completed) ends the run with their error,
+        # instead of leaving the trainer waiting for that group.
+        await asyncio.wait({training, generating}, return_when=asyncio.FIRST_COMPLETED)
+        if generating.done() and not training.done():
+            training.cancel()
+            generating.result()
+            raise RuntimeError("the live agents stopped before the trainer was done")
+        training.result()
     finally:
-        if agents is not None and generating is not None:
-            stop.set()
-            async with agents.progress:
-                agents.progress.notify_all()
-            with contextlib.suppress(asyncio.CancelledError):
-                await generating
+        training.cancel()
+        stop.set()
+        async with agents.progress:
+            agents.progress.notify_all()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(training, return_exceptions=True)
+            await generating
     return history
 
 

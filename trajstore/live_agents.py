@@ -10,13 +10,16 @@ policy at most `max_lag` versions behind the one it trains.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from dataclasses import dataclass, field
 
 import httpx
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, OpenAIError
 
 from trajstore.trainer import toy_task
+
+log = logging.getLogger(__name__)
 
 
 def reward(answer: str) -> float:
@@ -51,6 +54,9 @@ class AgentPool:
     consumed: int = 0  #: sessions the trainer has taken (trained on or dropped)
     progress: asyncio.Condition = field(default_factory=asyncio.Condition)
     rewards: list[float] = field(default_factory=list)
+    attempts: int = 4  #: tries of a session whose model call fails (a group needs all members)
+    retried: int = 0  #: sessions tried again
+    failure: BaseException | None = None  #: why a group could not be completed
 
     async def session(self, run_id: str, group_id: str, question: str) -> float:
         """One session: created, one chat call at temperature 1, rewarded, finished."""
@@ -62,16 +68,23 @@ class AgentPool:
             )
         ).raise_for_status().json()  # fmt: skip
         agent = AsyncOpenAI(base_url=created["base_url"], api_key=created["api_key"], max_retries=0)
+        orchestrator = {"Authorization": f"Bearer {created['orchestrator_key']}"}
+        sid = created["session_id"]
         try:
             reply = await agent.chat.completions.create(
                 model=self.model, messages=[{"role": "user", "content": question}],
                 max_tokens=self.config.max_tokens, temperature=1.0,
             )  # fmt: skip
+        except OpenAIError as exc:
+            # Finished as an error (never trained on), not left open for the reaper.
+            await self.http.post(
+                f"{self.proxy_url}/sessions/{sid}/finish", headers=orchestrator,
+                json={"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:500]},
+            )  # fmt: skip
+            raise
         finally:
             await agent.close()
         value = reward(reply.choices[0].message.content or "")
-        orchestrator = {"Authorization": f"Bearer {created['orchestrator_key']}"}
-        sid = created["session_id"]
         await self.http.post(
             f"{self.proxy_url}/sessions/{sid}/reward",
             json={"value": value, "source": "trajstore.live.reward"}, headers=orchestrator,
@@ -96,8 +109,14 @@ class AgentPool:
             while not stop.is_set():
                 async with self.progress:
                     await self.progress.wait_for(
-                        lambda: stop.is_set() or self.started - self.consumed < ahead
+                        lambda: (
+                            stop.is_set()
+                            or self.failure is not None
+                            or self.started - self.consumed < ahead
+                        )
                     )
+                if self.failure is not None:
+                    raise self.failure
                 if stop.is_set():
                     break
                 question, group = rng.choice(questions), f"{self.run_id}-g{number}"
@@ -114,10 +133,26 @@ class AgentPool:
                     raise result
 
     async def _gated(self, gate: asyncio.Semaphore, group: str, question: str) -> float:
-        async with gate:
-            value = await self.session(self.run_id, group, question)
-        self.rewards.append(value)
-        return value
+        """One member of a group, tried again when the engine fails it (a group that misses a
+        member never trains: `replay_live` waits for all of them). After the last try the pool
+        stops with the error, rather than leave the trainer waiting."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                async with gate:
+                    value = await self.session(self.run_id, group, question)
+            except (httpx.HTTPError, OpenAIError) as exc:
+                if attempt == self.attempts:
+                    async with self.progress:
+                        self.failure = exc
+                        self.progress.notify_all()
+                    raise
+                self.retried += 1
+                log.warning("live agents: a session of %s failed (%s); trying again", group, exc)
+                await asyncio.sleep(attempt)
+                continue
+            self.rewards.append(value)
+            return value
+        raise AssertionError("unreachable")
 
     async def take(self, sessions: int) -> None:
         """The trainer took `sessions` more: let that many more start."""
