@@ -1,11 +1,14 @@
 """Ingest and read throughput of the event store, against raw asyncpg in the same run.
 
-    python benchmarks/ingest.py [--tokens 1000000] [--runs 5]
+    python benchmarks/ingest.py [--tokens 1000000] [--runs 7] [--before 0016_lineages]
 
 Writes realistic completion chunks (16 tokens, float32 logprobs, ~120 B of JSON) for many
-request streams through `EventWriter`, and the same rows with a raw asyncpg COPY into a scratch
-table shaped like `events` (same columns, indexes and defaults; no triggers), in batches of the
-same size. Each measurement gets a fresh database cloned from a migrated template, so runs do
+request streams through `EventWriter`, and the same rows with a raw asyncpg COPY into a plain
+table (`create_raw_table`: the columns and defaults of `events`, not partitioned, no triggers, no
+unique keys, the 7 indexes of `RAW_INDEXES`), in batches of the same size. The baseline is fixed
+here rather than copied from `events`, so the ratio means the same thing whatever the log's
+schema: the price of everything the log promises over a plain indexed table. Each measurement
+gets a fresh database cloned from a migrated template (with its days' partitions), so runs do
 not slow each other down. Then reads them back: `read_session` and `read_all` against plain
 SELECTs of the same rows and columns (token ids turned into numpy arrays, as any reader must).
 
@@ -17,20 +20,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import gc
 import statistics
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import asyncpg
 import numpy as np
 
-from trajstore.store import EventStore, EventType, NewEvent, RecordedEvent, migrations
+from trajstore.store import (
+    EventStore,
+    EventType,
+    NewEvent,
+    RecordedEvent,
+    keys,
+    migrations,
+    queries,
+)
 from trajstore.store.connection import asyncpg_dsn, connect
 from trajstore.store.embedded import database_url
-from trajstore.store.queries import INSERT_COLUMNS
+from trajstore.store.partitions import DAYS_AHEAD, ensure_partitions_at, partition_name
 from trajstore.store.writer import copy_row
 
 TOKENS_PER_CHUNK = 16
@@ -41,6 +54,18 @@ BATCH_SIZE = 5_000
 RAW_COLUMNS = (
     "position, tx_id, event_id, stream_id, stream_version, session_id, run_id, event_type, "
     "recorded_at, payload, token_ids, logprobs"
+)
+#: The raw baseline's indexes: those of `events` as partitioned by migration 0013 (what
+#: `LIKE events INCLUDING ALL` gave it), the ones its readers need; none is unique but the key.
+RAW_INDEXES = (
+    "PRIMARY KEY (position, recorded_at)",
+    "(stream_id, stream_version)",
+    "(tx_id, position)",
+    "(session_id, tx_id, position)",
+    "(run_id)",
+    "(tx_id, position) "
+    "WHERE event_type IN ('session_finished', 'session_discarded', 'reward_assigned')",
+    "(session_id, event_type) WHERE event_type IN ('session_created', 'session_finished')",
 )
 
 
@@ -104,10 +129,31 @@ class Databases:
         finally:
             await conn.close()
 
-    async def setup(self) -> None:
+    async def setup(self, revision: str = "head") -> None:
+        """Migrate the template to `revision` and give it its days' partitions, as `trajstore
+        migrate` does (without them every event would land in `events_default`)."""
         await self._admin(f'CREATE DATABASE "{self.template}"')
         self.created.append(self.template)
-        await asyncio.to_thread(migrations.upgrade, self.url_of(self.template))
+        await asyncio.to_thread(migrations.upgrade, self.url_of(self.template), revision)
+        if revision == "head":
+            await ensure_partitions_at(self.url_of(self.template))
+            return
+        # An earlier revision's partitions: as its `create_partition` made them (no unique keys).
+        conn = await connect(self.url_of(self.template))
+        try:
+            today = await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date")
+            for offset in range(DAYS_AHEAD + 1):
+                day = today + dt.timedelta(days=offset)
+                name = partition_name(day)
+                await conn.execute(
+                    f"CREATE TABLE {name} PARTITION OF events FOR VALUES FROM "
+                    f"('{day} 00:00:00+00') TO ('{day + dt.timedelta(days=1)} 00:00:00+00')"
+                )
+                await conn.execute(
+                    queries.NAME_PARTITION_INDEXES.format(partition=name, suffix=f"{day:%Y%m%d}")
+                )
+        finally:
+            await conn.close()
 
     async def fresh(self) -> str:
         name = f"trajstore_bench_{uuid.uuid4().hex[:8]}"
@@ -134,11 +180,25 @@ async def write_with_writer(url: str, workload: Workload) -> float:
     return elapsed
 
 
+async def create_raw_table(conn: asyncpg.Connection, name: str = "scratch") -> str:
+    """The raw baseline's table: `events`' columns, defaults and storage, `RAW_INDEXES`."""
+    await conn.execute(
+        f"CREATE TABLE {name} (LIKE events INCLUDING DEFAULTS INCLUDING IDENTITY "
+        "INCLUDING STORAGE INCLUDING COMPRESSION)"
+    )
+    for index in RAW_INDEXES:
+        if index.startswith("PRIMARY KEY"):
+            await conn.execute(f"ALTER TABLE {name} ADD {index}")
+        else:
+            await conn.execute(f"CREATE INDEX ON {name} {index}")
+    return name
+
+
 async def write_with_raw_copy(url: str, workload: Workload) -> float:
-    """Seconds to COPY the same rows, in batches of the same size, into a scratch table."""
+    """Seconds to COPY the same rows, in batches of the same size, into the raw table."""
     conn = await connect(url)
     try:
-        await conn.execute("CREATE TABLE scratch (LIKE events INCLUDING ALL)")
+        await create_raw_table(conn)
         records = [
             copy_row(stream, version, e)
             for stream, events in workload.streams
@@ -148,7 +208,7 @@ async def write_with_raw_copy(url: str, workload: Workload) -> float:
         for i in range(0, len(records), BATCH_SIZE):
             async with conn.transaction():
                 await conn.copy_records_to_table(
-                    "scratch", records=records[i : i + BATCH_SIZE], columns=INSERT_COLUMNS
+                    "scratch", records=records[i : i + BATCH_SIZE], columns=queries.INSERT_COLUMNS
                 )
         return time.perf_counter() - started
     finally:
@@ -221,7 +281,7 @@ def line(
     )
 
 
-async def main(n_tokens: int, runs: int) -> None:
+async def main(n_tokens: int, runs: int, before: str | None = None) -> None:
     url = await asyncio.to_thread(database_url)
     started = time.perf_counter()
     workload = make_workload(n_tokens)
@@ -235,48 +295,101 @@ async def main(n_tokens: int, runs: int) -> None:
         f"{len(workload.streams)} request streams, {len(workload.sessions)} sessions; "
         f"building the NewEvents took {build_seconds / workload.n_events * 1e6:.1f} us/event"
     )
+    print(
+        "raw baseline: a plain table (events' columns and defaults; not partitioned, no "
+        f"triggers, no unique keys) with {len(RAW_INDEXES)} indexes: " + "; ".join(RAW_INDEXES)
+    )
     dbs = Databases(url)
     await dbs.setup()
+    # The log of an earlier revision, written by this writer without its per-batch check (the
+    # one thing the writer does differently since migration 0017: a no-op round trip instead).
+    old = Databases(url) if before else None
+    if old is not None and before is not None:
+        await old.setup(before)
     try:
-        write_ours, write_raw = [], []
+        writes: dict[str, list[float]] = {"ours": [], "raw": [], "before": []}
         for run in range(runs):
-            # Alternate which goes first, so neither always gets the warmer server.
-            order = [("ours", write_with_writer), ("raw", write_with_raw_copy)]
-            for name, write in order if run % 2 == 0 else order[::-1]:
-                seconds = await write(await dbs.fresh(), workload)
-                (write_ours if name == "ours" else write_raw).append(seconds)
-        reads: dict[str, list[float]] = {
-            k: [] for k in ("session", "session raw", "all", "all raw")
-        }
-        read_url = await dbs.fresh()
-        await write_with_writer(read_url, workload)
-        async with await EventStore.open(read_url) as store:
-            raw_conn = await asyncpg.connect(asyncpg_dsn(read_url))
-            try:
-                for _ in range(runs):
-                    for key, work in (
-                        ("session", lambda: read_sessions(store, workload.sessions)),
-                        ("session raw", lambda: read_sessions_raw(raw_conn, workload.sessions)),
-                        ("all", lambda: read_all(store)),
-                        ("all raw", lambda: read_all_raw(raw_conn)),
-                    ):
-                        seconds, tokens = await timed(work)
-                        assert tokens == workload.n_tokens, (key, tokens)
-                        reads[key].append(seconds)
-            finally:
-                await raw_conn.close()
+            # Rotate which goes first, so none always gets the warmer server.
+            order = [("ours", write_with_writer, dbs), ("raw", write_with_raw_copy, dbs)]
+            if old is not None:
+                order.append(("before", write_unchecked, old))
+            turn = run % len(order)
+            for name, write, databases in order[turn:] + order[:turn]:
+                writes[name].append(await write(await databases.fresh(), workload))
+        stores: list[tuple[str, Databases, Writes]] = [("ours", dbs, write_with_writer)]
+        if old is not None:
+            stores.append(("before", old, write_unchecked))
+        reads = await measure_reads(stores, workload, runs)
     finally:
         await dbs.drop_all()
+        if old is not None:
+            await old.drop_all()
 
     print(f"medians of {runs} runs; ratio = raw time / trajstore time (1.00x = as fast as raw)")
-    print(line("write", write_ours, write_raw, workload.n_tokens))
-    print(line("read_session", reads["session"], reads["session raw"], workload.n_tokens))
-    print(line("read_all", reads["all"], reads["all raw"], workload.n_tokens))
+    for label, key in [("trajstore", "ours")] + ([(f"{before}", "before")] if old else []):
+        print(f"-- {label}")
+        r = reads[key]
+        print(line("write", writes[key], writes["raw"], workload.n_tokens))
+        print(line("read_session", r["session"], r["session raw"], workload.n_tokens))
+        print(line("read_all", r["all"], r["all raw"], workload.n_tokens))
+
+
+async def write_unchecked(url: str, workload: Workload) -> float:
+    """`write_with_writer` on a log without `trajstore_check_keys` (before migration 0017)."""
+    checked = keys.CHECK_KEYS
+    keys.CHECK_KEYS = "SELECT $1::text[], $2::int8[], $3::int8[]"
+    try:
+        return await write_with_writer(url, workload)
+    finally:
+        keys.CHECK_KEYS = checked
+
+
+#: A way to write the workload to a store: seconds it took.
+Writes = Callable[[str, Workload], Awaitable[float]]
+
+
+async def measure_reads(
+    stores: list[tuple[str, Databases, Writes]],
+    workload: Workload,
+    runs: int,
+) -> dict[str, dict[str, list[float]]]:
+    """Seconds of each read, ours and raw, on a fresh store of each kind that its writer filled;
+    the stores take turns within every run, so a busier minute weighs on all of them."""
+    reads: dict[str, dict[str, list[float]]] = {}
+    opened = []
+    try:
+        for key, databases, write in stores:
+            url = await databases.fresh()
+            await write(url, workload)
+            store = await EventStore.open(url)
+            opened.append((key, store, await asyncpg.connect(asyncpg_dsn(url))))
+            reads[key] = {k: [] for k in ("session", "session raw", "all", "all raw")}
+        for _ in range(runs):
+            for key, store, raw_conn in opened:
+                for name, work in (
+                    ("session", partial(read_sessions, store, workload.sessions)),
+                    ("session raw", partial(read_sessions_raw, raw_conn, workload.sessions)),
+                    ("all", partial(read_all, store)),
+                    ("all raw", partial(read_all_raw, raw_conn)),
+                ):
+                    seconds, tokens = await timed(work)
+                    assert tokens == workload.n_tokens, (name, tokens)
+                    reads[key][name].append(seconds)
+    finally:
+        for _, store, raw_conn in opened:
+            await raw_conn.close()
+            await store.close()
+    return reads
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1_000_000, help="tokens to write per run")
     parser.add_argument("--runs", type=int, default=7, help="runs per measurement")
+    parser.add_argument(
+        "--before",
+        metavar="REVISION",
+        help="also measure the log migrated to REVISION (0016_lineages: before migration 0017)",
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.tokens, args.runs))
+    asyncio.run(main(args.tokens, args.runs, args.before))

@@ -21,7 +21,14 @@ from typing import Any
 import aiohttp
 import orjson
 
-from trajstore.proxy.apis import Dropped, Translation, as_chat, dropped_header, dropped_json
+from trajstore.proxy.apis import (
+    Dropped,
+    ImagePart,
+    Translation,
+    as_chat,
+    dropped_header,
+    dropped_json,
+)
 from trajstore.proxy.apis.base import refuse_hosted
 from trajstore.proxy.apis.messages import Messages
 from trajstore.proxy.continuation import RENDERED, Continuer, Plan
@@ -97,13 +104,15 @@ class Forwarder:
         `extra_headers` (the agent's own `X-*` headers, such as vLLM's X-Request-Id) are passed
         on to the engine; the agent's key never is.
         """
-        body, chat, asked, translation, dropped = as_chat(api, raw, self.settings.hosted_tools)
+        body, chat, asked, translation, dropped, images = as_chat(
+            api, raw, self.settings.hosted_tools
+        )
         if self.writer.saturated:
             raise Overloaded(
                 "the recorder is behind; retry shortly", retry_after=self.writer.retry_after()
             )
         headers = self._headers(extra_headers)
-        call = _Call(api, session, body, chat, asked, translation, headers, dropped)
+        call = _Call(api, session, body, chat, asked, translation, headers, dropped, images)
         # An engine lost before anything reached the agent (unreachable, its relay gone, its
         # whole answer broken off) leaves a recorded failure, and the request goes to another
         # engine as a new request of the session; once the agent got a stream's head, a break
@@ -158,6 +167,7 @@ class Forwarder:
                 asked=asked,
                 replica=self.replica_id,
                 dropped_tools=dropped_json(call.dropped),
+                images=call.images,
             )
         except BadEvent as exc:
             raise BadRequest(f"the request cannot be recorded: {exc}") from None
@@ -190,7 +200,7 @@ class Forwarder:
     async def count_tokens(self, session: Session, raw: bytes) -> Answered:
         """Anthropic's `count_tokens`: the prompt a Messages request would be, counted by the
         engine's own chat template (its `/tokenize`). Nothing is generated, so nothing recorded."""
-        request, dropped = Messages().count_tokens_request(parse_body("messages", raw))
+        request, dropped, _ = Messages().count_tokens_request(parse_body("messages", raw))
         if self.settings.hosted_tools == "refuse":
             refuse_hosted(dropped, "Anthropic")
         try:
@@ -458,6 +468,7 @@ class _Call:
     translation: Translation | None
     headers: dict[str, str]
     dropped: list[Dropped]  #: of the agent's tools, those the engine does not get
+    images: list[ImagePart]  #: a translated request's images (`proxy.apis.ImagePart`)
 
 
 @dataclass

@@ -28,6 +28,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from trajstore.proxy.apis.base import ImagePart
 from trajstore.proxy.errors import BadRequest, PayloadTooLarge
 from trajstore.store.events import MAX_PAYLOAD_BYTES
 from trajstore.store.images import REFERENCE_PREFIX, image_parts, part_url, reference
@@ -72,19 +73,24 @@ class Referenced:
     messages: list[Any]  #: the same list when there is no image
     images: dict[str, Image]  #: by sha256, in the order they first appear
     n_images: int  #: image parts, repeats included
+    hashes: list[str]  #: each image part's sha256, in order, repeats included
 
 
-def referenced(messages: list[Any], max_bytes: int) -> Referenced:
+def referenced(
+    messages: list[Any], max_bytes: int, params: dict[int, str] | None = None
+) -> Referenced:
     """Check and hash every `image_url` part of `messages`; `BadRequest` or `PayloadTooLarge`
-    naming the part when one cannot be recorded. The messages are copied only where an image
-    is replaced; the agent's own list goes to the engine untouched."""
+    naming the part when one cannot be recorded (as `params` names it, by the part's id, for
+    a translated API's parts; else `messages[i].content[j].image_url`). The messages are copied
+    only where an image is replaced; the agent's own list goes to the engine untouched."""
     images: dict[str, Image] = {}
+    hashes: list[str] = []
     out: list[Any] | None = None
-    n_images = 0
     for i, j, part in image_parts(messages):
-        n_images += 1
-        image = _image(part_url(part), f"messages[{i}].content[{j}].image_url", max_bytes)
+        where = (params or {}).get(id(part)) or f"messages[{i}].content[{j}].image_url"
+        image = _image(part_url(part), where, max_bytes)
         images.setdefault(image.sha256, image)
+        hashes.append(image.sha256)
         if out is None:
             out = list(messages)
         if out[i] is messages[i]:
@@ -95,7 +101,7 @@ def referenced(messages: list[Any], max_bytes: int) -> Referenced:
             **part,
             "image_url": {**value, "url": url} if isinstance(value, dict) else url,
         }
-    return Referenced(messages if out is None else out, images, n_images)
+    return Referenced(messages if out is None else out, images, len(hashes), hashes)
 
 
 def _image(url: Any, where: str, max_bytes: int) -> Image:
@@ -154,3 +160,20 @@ def _data_image(url: str, where: str, max_bytes: int) -> Image:
         data=data,
         n_bytes=len(decoded),
     )
+
+
+def referenced_body(
+    body: dict[str, Any], images: list[ImagePart], recorded: list[Any]
+) -> dict[str, Any]:
+    """A translated request's body as the log keeps it: each image block replaced by its
+    reference (the one its chat part got in `recorded`), the rest shared with the agent's."""
+    references = [part_url(part) for _, _, part in image_parts(recorded)]
+    out = dict(body)
+    for image, url in zip(images, references, strict=True):
+        node: Any = out
+        for key in image.path[:-1]:  # copy along the path, so the agent's body stays as sent
+            child = node[key]
+            node[key] = child = list(child) if isinstance(child, list) else dict(child)
+            node = child
+        node[image.path[-1]] = image.referenced_block(node[image.path[-1]], url)
+    return out

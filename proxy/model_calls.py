@@ -233,7 +233,7 @@ async def record_refusal(
 ) -> None:
     """Record a request the proxy did not forward: its `request_received` (no engine chosen)
     and its `request_failed`. A body that is not valid is a 400 instead, as it would have been."""
-    body, chat, asked, _, dropped = as_chat(api, raw, state.settings.hosted_tools)
+    body, chat, asked, _, dropped, images = as_chat(api, raw, state.settings.hosted_tools)
     recorder = RequestRecorder(
         state.registry.writer,
         session_id=session.session_id,
@@ -259,6 +259,7 @@ async def record_refusal(
         asked=asked,
         replica=state.forwarder.replica_id,
         dropped_tools=dropped_json(dropped),
+        images=images,
     )
     await recorder.emit(received)
     await recorder.failed(reason, message, status)

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 import orjson
 
+from trajstore.proxy.apis.base import ImagePart
 from trajstore.proxy.continuation import RENDERED, Plan
-from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, referenced
+from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, referenced, referenced_body
 from trajstore.proxy.lineages import Ending, SessionTurns, Turn, messages_key, render_key
 from trajstore.proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
 from trajstore.store import BadEvent, EventType, EventWriter, NewEvent, request_stream
@@ -133,6 +134,7 @@ class RequestRecorder:
         chat: dict[str, Any] | None = None,
         replica: str | None = None,
         dropped_tools: list[dict[str, Any]] | None = None,
+        images: list[ImagePart] | None = None,
     ) -> NewEvent:
         """Build (and so validate) the request_received event, before anything is forwarded.
 
@@ -140,6 +142,8 @@ class RequestRecorder:
         to (`proxy.apis`; the body itself for chat): its sampling, messages and render options
         are what the next turn is compared with. `replica`: the proxy replica serving it.
         `dropped_tools`: the agent's tools the engine did not get (`proxy.apis.Dropped`).
+        `images`: a translated request's images, which its recorded body refers to by hash as
+        chat's does (`proxy.apis.ImagePart`).
         """
         chat = body if chat is None else chat
         self.api = api
@@ -161,10 +165,12 @@ class RequestRecorder:
             payload["dropped_tools"] = dropped_tools
         messages = chat.get("messages")
         recorded = messages
-        if api == "chat" and isinstance(messages, list):
-            # Images go into the record once per session, and the body refers to them by hash
-            # (the translated APIs refuse media). Their events follow this one at the next drain.
-            recorded = self._take_images(messages, payload)
+        if api != "completions" and isinstance(messages, list):
+            # Images go into the record once per session, and the body refers to them by hash.
+            # Their events follow this one at the next drain.
+            recorded = self._take_images(messages, payload, images or [])
+            if images and recorded is not messages:
+                payload["body"] = referenced_body(body, images, recorded)
         if api != "completions" and isinstance(recorded, list):
             self._messages = (len(recorded), orjson.dumps(recorded))
             self._render_key = render_key(chat)
@@ -182,14 +188,20 @@ class RequestRecorder:
                 payload["body"] = {**body, "messages": recorded}
         return self._event(EventType.REQUEST_RECEIVED, payload)
 
-    def _take_images(self, messages: list[Any], payload: dict[str, Any]) -> list[Any]:
+    def _take_images(
+        self, messages: list[Any], payload: dict[str, Any], images: list[ImagePart]
+    ) -> list[Any]:
         """The messages as recorded: each image replaced by its reference. The images new to
-        the session wait in the outbox as `image_recorded` events; `payload` gets the count
-        and the placeholder id."""
-        found = referenced(messages, self.max_image_bytes)
+        the session wait in the outbox as `image_recorded` events; `payload` gets the count,
+        the placeholder id, and for a translated API the hashes in order (`images`, its
+        body's own shape being no chat messages)."""
+        params = {id(image.chat_part): image.param for image in images}
+        found = referenced(messages, self.max_image_bytes, params)
         if not found.n_images:
             return messages
         payload["n_images"] = found.n_images
+        if images:
+            payload["images"] = found.hashes
         if self.image_token_id is not None:
             payload["image_token_id"] = self.image_token_id
         for sha256, image in found.images.items():

@@ -8,9 +8,9 @@
 3. reads every file back and checks the file's digest, the rows' digest, the row count and the
    exact list of positions against the partition, then writes `manifest.json`;
 4. only then, partition by partition in a transaction that first checks the partition still
-   holds exactly what was written: forgets the events' uniqueness keys (`event_keys`, except
-   each stream's last version), detaches the partition and drops it (`keep`: detach only, keys
-   kept, so it can be attached again).
+   holds exactly what was written: seals its keys into `event_keys` if its day was not sealed
+   yet, forgets them (except each stream's last version), detaches the partition and drops it
+   (`keep`: detach only, keys kept, so it can be attached again).
 Any failure before step 4 raises `ArchiveError` and leaves the log untouched.
 
 Archived sessions stay readable: `archived_events` reads a session's events from the files and
@@ -35,7 +35,7 @@ import asyncpg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trajstore.store import queries
+from trajstore.store import keys, queries
 from trajstore.store.connection import unavailable_as_store_error
 from trajstore.store.errors import ArchiveError, SessionNotFound
 from trajstore.store.events import RecordedEvent
@@ -253,8 +253,11 @@ async def _detach(conn: asyncpg.Connection, entry: ArchivedPartition, *, keep: b
         positions = [r[0] for r in await conn.fetch(queries.partition_positions(entry.name))]
         if len(positions) != entry.rows or (positions and positions[-1] != entry.max_position):
             raise ArchiveError(f"{entry.name} changed while it was archived; run the archive again")
+        # Its keys to event_keys first (the day may not be sealed yet): detached, its events are
+        # no longer in `events` for the uniqueness checks to find.
+        await conn.execute(keys.seal_keys_of(entry.name))
         if not keep:
-            await conn.execute(queries.forget_keys_of(entry.name))
+            await conn.execute(keys.forget_keys_of(entry.name))
         await conn.execute(f"ALTER TABLE events DETACH PARTITION {entry.name}")
         if not keep:
             await conn.execute(f"DROP TABLE {entry.name}")

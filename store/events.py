@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 import random
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -76,9 +77,22 @@ class ExpectedVersion(IntEnum):
 
 
 def new_event_id() -> uuid.UUID:
-    """A random (version 4) UUID, from the `random` module: as unique as `uuid.uuid4()` for our
-    purpose and several times cheaper (no system call per event); `random` reseeds after fork."""
-    return uuid.UUID(int=random.getrandbits(128), version=4)
+    """A time-ordered (version 7, RFC 9562) UUID: the milliseconds since the epoch, then 74
+    random bits from the `random` module (as unique as `uuid.uuid4()` for our purpose and several
+    times cheaper: no system call per event; `random` reseeds after fork). Ids made one after the
+    other sort one after the other, so each day partition's unique index on `event_id` grows at
+    its right edge instead of touching (and logging) a random page per event."""
+    rand = random.getrandbits(74)
+    return uuid.UUID(
+        int=(time.time_ns() // 1_000_000) << 80
+        | 0x7 << 76  # version 7
+        | (rand >> 62) << 64
+        | 0b10 << 62  # the RFC's variant
+        | rand & _RAND_B
+    )
+
+
+_RAND_B = (1 << 62) - 1
 
 
 def request_stream(request_id: str) -> str:

@@ -50,6 +50,7 @@ IMAGE = pa.struct(
         ("media_type", pa.string()),
         ("start", pa.int32()),
         ("end", pa.int32()),
+        ("reason", pa.string()),  # why start and end are null
     ]
 )
 

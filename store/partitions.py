@@ -9,6 +9,10 @@ long reader), which must not stall the proxy's hot path. `trajstore migrate` cre
 same) keeps it so, as would a daily cron job. Should maintenance fall behind all the same, rows
 land in `events_default` rather than being refused; that day then gets no partition of its own,
 and those rows are not archived (the listing warns).
+
+The same upkeep *seals* the days that have closed (`seal_closed_days`): their events' unique keys
+are copied to `event_keys`, so that a write's check against the days before it probes one index
+(plus the days not sealed yet) however many days the log keeps (`store.schema`, `event_keys`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from trajstore.store import queries
+from trajstore.store import keys, queries
 from trajstore.store.connection import connect
 from trajstore.store.schema import DEFAULT_PARTITION
 
@@ -85,15 +89,44 @@ async def create_partition(conn: asyncpg.Connection, day: dt.date) -> str:
             await conn.execute(
                 queries.NAME_PARTITION_INDEXES.format(partition=name, suffix=f"{day:%Y%m%d}")
             )
+            for statement in keys.PARTITION_UNIQUE_KEYS:
+                await conn.execute(statement.format(partition=name, suffix=f"{day:%Y%m%d}"))
     return name
+
+
+async def seal_closed_days(conn: asyncpg.Connection) -> dt.datetime | None:
+    """Copy the keys of every event recorded before today (UTC, the database's clock) and not
+    sealed yet into `event_keys`; returns the new `through` (None when nothing was to seal).
+
+    It first waits (SHARE lock, `_LOCK_TIMEOUT` at most, then gives up until the next run) for
+    the transactions still writing into those days' partitions: a transaction stamped before
+    midnight may commit after it, and its keys must not be missed.
+    """
+    async with conn.transaction():
+        await conn.execute(f"SET LOCAL lock_timeout = '{_LOCK_TIMEOUT}'")
+        through = await conn.fetchval(keys.SEALED_THROUGH)
+        if through.tzinfo is None:  # asyncpg's -infinity: nothing sealed yet
+            through = dt.datetime.min.replace(tzinfo=dt.UTC)
+        today = await conn.fetchval("SELECT date_trunc('day', now(), 'UTC')")
+        if through >= today:
+            return None
+        for partition in await list_partitions(conn):
+            closing = partition.end is not None and through < partition.end <= today
+            if partition.end is None or closing:  # the default one may hold such days too
+                await conn.execute(f"LOCK TABLE {partition.name} IN SHARE MODE")
+        await conn.execute(keys.SEAL_KEYS_BETWEEN, through, today)
+        for statement in keys.SET_SEALED_THROUGH:
+            await conn.execute(statement, *([today] if "$1" in statement else []))
+    return dt.datetime.fromtimestamp(today.timestamp(), dt.UTC)
 
 
 async def ensure_partitions(
     conn: asyncpg.Connection, *, days_ahead: int = DAYS_AHEAD, today: dt.date | None = None
 ) -> list[str]:
     """Create the partitions of today (the database's, UTC) and `days_ahead` more days that are
-    missing; returns the names created. A day whose rows already sit in the default partition
-    is skipped with a warning (archive it, or move its rows by hand)."""
+    missing, and seal the days that have closed (`seal_closed_days`); returns the names
+    created. A day whose rows already sit in the default partition is skipped with a warning
+    (archive it, or move its rows by hand)."""
     if today is None:
         today = await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date")
     existing = {p.day for p in await list_partitions(conn)}
@@ -108,6 +141,10 @@ async def ensure_partitions(
             log.warning(
                 "events of %s are in %s: that day gets no partition", day, DEFAULT_PARTITION
             )
+    try:
+        await seal_closed_days(conn)
+    except asyncpg.LockNotAvailableError:
+        log.warning("a long transaction still writes into a closed day: sealed next time")
     return created
 
 

@@ -54,18 +54,23 @@ RETURNING event_id, position
 #: Serialises appends with ExpectedVersion.ANY to one stream until the transaction ends.
 LOCK_STREAM = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))"
 
-# Event ids and stream versions are unique across partitions in `event_keys` (`store.schema`),
-# which also remembers each stream's last version after its events were archived.
-STREAM_VERSION = "SELECT coalesce(max(stream_version), 0) FROM event_keys WHERE stream_id = $1"
-
-FIND_EVENTS = """
-SELECT k.event_id, e.position, k.stream_id, k.stream_version
-FROM event_keys k
-JOIN events e ON e.stream_id = k.stream_id AND e.stream_version = k.stream_version
-WHERE k.event_id = ANY($1::uuid[])
+# Each day's partition holds its own unique keys; `event_keys` holds those of the days sealed
+# since (and each archived stream's last version): a stream's version is the higher of the two.
+STREAM_VERSION = """
+SELECT greatest(
+    (SELECT max(stream_version) FROM event_keys WHERE stream_id = $1),
+    (SELECT max(stream_version) FROM events WHERE stream_id = $1),
+    0
+)
 """
 
-EXISTING_EVENT_IDS = "SELECT event_id FROM event_keys WHERE event_id = ANY($1::uuid[])"
+#: Stored events by id, from every partition's unique index on `event_id`.
+FIND_EVENTS = """
+SELECT event_id, position, stream_id, stream_version FROM events
+WHERE event_id = ANY($1::uuid[])
+"""
+
+EXISTING_EVENT_IDS = "SELECT event_id FROM events WHERE event_id = ANY($1::uuid[])"
 
 READ_STREAM = f"""
 SELECT {EVENT_COLUMNS} FROM events
@@ -172,17 +177,6 @@ WHERE p.session_id IS NOT NULL
   AND NOT EXISTS (SELECT FROM events f WHERE f.session_id = p.session_id
                   AND f.event_type = 'session_finished')
 ORDER BY 1
-"""
-
-
-def forget_keys_of(name: str) -> str:
-    """Forget the uniqueness keys of a partition's events, except each stream's last version:
-    stream versions keep increasing past archived events (`STREAM_VERSION`)."""
-    return f"""
-DELETE FROM event_keys k USING {name} p
-WHERE k.event_id = p.event_id
-  AND k.stream_version < (SELECT max(m.stream_version) FROM event_keys m
-                          WHERE m.stream_id = k.stream_id)
 """
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from trajstore.store.images import image_hashes
 from trajstore.store.references import Messages, Prompts
 from trajstore.store.tokens import decode_token_ids
 
@@ -78,6 +79,8 @@ class TurnRecord:
     continuation: dict[str, Any] | None = None  # {choice, drift_at} or {fallback}
     n_images: int = 0  # image parts in its whole messages
     image_token_id: int | None = None  # the engine's image placeholder id, when recorded
+    #: A translated API's images, each one's sha256 in prompt order (chat: from its messages)
+    image_order: list[str] | None = None
     #: {request_id, n_tokens}: the prompt starts with that request's prompt + completion
     prompt_prefix: dict[str, Any] | None = None
     n_prompt_tokens: int | None = None  #: the whole prompt's length (None: not recorded yet)
@@ -111,6 +114,14 @@ class TurnRecord:
             stored = self.body.get("messages")
             return len(stored) if isinstance(stored, list) else None
         return self.session.messages.count(self.request_id)
+
+    @property
+    def image_hashes(self) -> list[str | None]:
+        """The request's images in the order of their placeholders in the prompt: each one's
+        hash (None for an image recorded inline, as logs from before references have)."""
+        if self.image_order is not None:
+            return list(self.image_order)
+        return image_hashes(self.messages)
 
     @property
     def messages_added(self) -> list[Any] | None:

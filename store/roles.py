@@ -67,7 +67,7 @@ CREATE = [
     f"GRANT USAGE ON SCHEMA public TO {RECORDER_ROLE}, {PROJECTOR_ROLE}",
     f"GRANT SELECT, INSERT ON events TO {RECORDER_ROLE}",
     f"GRANT SELECT ON events TO {PROJECTOR_ROLE}",
-    # Appends look up stored ids and stream versions there; only the trigger writes it.
+    # Appends look up sealed days' stream versions there; only the store's functions write it.
     f"GRANT SELECT ON event_keys TO {RECORDER_ROLE}",
     f"GRANT SELECT, INSERT, UPDATE, DELETE ON {PROJECTOR_TABLES} TO {PROJECTOR_ROLE}",
 ]

@@ -32,8 +32,10 @@ Deliberate choices, each tested:
 - `is_final` marks the trainer's default sample: the last branch of the main lineage;
 - a sample's images are those of its last turn's messages, in order, each with its hash, where
   it came from (data or URL) and the [start, end) of its placeholder ids in the sample's tokens
-  (`store.images.image_spans`); the span is None when the engine's placeholder id was not
-  recorded or its runs do not match the images one for one.
+  (`store.images.image_spans`); the span is None, and `reason` says why, when the engine's
+  placeholder id was not recorded, its runs do not match the images one for one, or the same
+  image has runs of different lengths (a trainer checks the lengths against its processor:
+  `trainer.vision`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from trajstore.store.images import image_hashes, image_spans
+from trajstore.store.images import image_spans
 from trajstore.store.lineages import Divergence, Lineage, assign
 from trajstore.store.records import ChoiceRecord, SessionRecord, TurnRecord
 from trajstore.store.tokens import (
@@ -112,7 +114,7 @@ class Sample:
     # generated it (None for prompt and glue).
     _runs: list[tuple[int, bytes | None]] = field(default_factory=list, repr=False)
     response_len: int = 0  #: tokens the model generated in this sample (loss mask 1)
-    #: Its images, in order: {sha256, source, url, media_type, start, end} (see the module).
+    #: Its images, in order: {sha256, source, url, media_type, start, end, reason} (the module).
     images: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -281,12 +283,25 @@ def _alternatives(
 
 
 def _images_of(sample: Sample) -> list[dict[str, Any]]:
-    """The images of a sample's last turn, located in its tokens (None spans: not located)."""
+    """The images of a sample's last turn, located in its tokens; where one is not (null
+    `start` and `end`), `reason` says why."""
     session = sample.session
     turn = session.turns[sample.turns[-1]]
-    hashes = image_hashes(turn.messages)
+    hashes = turn.image_hashes
     generated = sample.mask_array().astype(bool)
     spans = image_spans(sample.token_array(), generated, turn.image_token_id, len(hashes))
+    reason = None
+    if spans is None:
+        reason = _unlocated(sample, turn, len(hashes))
+    else:
+        # One image is one processor output: the same bytes twice with runs of different
+        # lengths means the runs are not the images' (a guess would put features on text).
+        lengths: dict[str | None, set[int]] = {}
+        for sha256, span in zip(hashes, spans, strict=True):
+            lengths.setdefault(sha256, set()).add(span[1] - span[0])
+        if any(len(seen) > 1 for sha256, seen in lengths.items() if sha256 is not None):
+            reason = "the same image has placeholder runs of different lengths"
+            spans = None
     images = []
     for n, sha256 in enumerate(hashes):
         recorded = session.images.get(sha256 or "", {})
@@ -299,9 +314,19 @@ def _images_of(sample: Sample) -> list[dict[str, Any]]:
                 "media_type": recorded.get("media_type"),
                 "start": start,
                 "end": end,
+                "reason": reason,
             }
         )
     return images
+
+
+def _unlocated(sample: Sample, turn: TurnRecord, n_images: int) -> str:
+    """Why a sample's images have no spans."""
+    if turn.image_token_id is None:
+        return "the engine's image placeholder id was not recorded (TRAJSTORE_IMAGE_TOKEN_ID)"
+    hits = sample.token_array() == turn.image_token_id
+    runs = int(np.count_nonzero(np.diff(np.concatenate(([0], hits.astype(np.int8)))) == 1))
+    return f"{runs} placeholder runs for {n_images} images"
 
 
 def final_branch(samples: Sequence[Sample]) -> Sample | None:

@@ -34,7 +34,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP, UUID
 from sqlalchemy.dialects.postgresql.base import ischema_names
 from sqlalchemy.types import UserDefinedType
 
-from trajstore.store import queries, roles, views
+from trajstore.store import keys, queries, roles, views
 
 #: The channel live subscribers LISTEN on. Notifications carry no payload: they are a wake-up.
 NOTIFY_CHANNEL = "trajstore_events"
@@ -81,10 +81,11 @@ events = Table(
     Column("payload", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("token_ids", LargeBinary),  # little-endian int32, see store.tokens
     Column("logprobs", LargeBinary),  # little-endian float32, one per token id
-    # A partitioned table's unique constraints must include its partition key, which makes them
-    # per partition: the global uniqueness of event ids and stream versions lives in `event_keys`.
+    # A partitioned table's unique constraints must include its partition key, which would make
+    # them refuse nothing: each partition has unique indexes of its own on `event_id` and
+    # `(stream_id, stream_version)` (`store.keys`), and across partitions the keys are checked
+    # as `store.keys` describes.
     PrimaryKeyConstraint("position", "recorded_at"),
-    Index(None, "stream_id", "stream_version"),
     Index(None, "tx_id", "position"),
     # read_session: a session's events in log order, straight from the index, no sort.
     Index(None, "session_id", "tx_id", "position"),
@@ -109,13 +110,7 @@ events = Table(
     postgresql_partition_by="RANGE (recorded_at)",
 )
 
-#: The guard of the log's global uniqueness: one row per stored event, filled by a statement
-#: trigger on `events` from its transition table (one set-based INSERT per COPY or INSERT). Its
-#: unique indexes refuse a second event with the same id or the same (stream, version) across
-#: every partition, exactly as `events`' own did before it was partitioned; the writer and
-#: `EventStore.append` tell conflicts from retries by the same UniqueViolation as before.
-#: Archiving forgets the keys of archived events except each stream's last version, which keeps
-#: stream versions increasing (`queries.STREAM_VERSION` reads it).
+#: The keys of sealed days (and each archived stream's last version): see `store.keys`.
 event_keys = Table(
     "event_keys",
     metadata,
@@ -124,6 +119,15 @@ event_keys = Table(
     Column("stream_version", BigInteger, nullable=False),
     PrimaryKeyConstraint("event_id"),
     UniqueConstraint("stream_id", "stream_version"),
+)
+
+#: One row: every event recorded before `through` has its keys in `event_keys` (-infinity, or no
+#: row: none has).
+event_keys_sealed = Table(
+    "event_keys_sealed",
+    metadata,
+    Column("through", TIMESTAMP(timezone=True), nullable=False),
+    PrimaryKeyConstraint("through"),
 )
 
 
@@ -231,22 +235,13 @@ $$"""
             partition=DEFAULT_PARTITION, suffix="default"
         ).replace("%", "%%")
     ),
-    _ddl(
-        """
-CREATE FUNCTION trajstore_guard_keys() RETURNS trigger LANGUAGE plpgsql
-SECURITY DEFINER SET search_path = public AS $$
-BEGIN
-    INSERT INTO event_keys (event_id, stream_id, stream_version)
-    SELECT event_id, stream_id, stream_version FROM appended;
-    RETURN NULL;
-END
-$$"""
+    *(
+        _ddl(statement.format(partition=DEFAULT_PARTITION, suffix="default"))
+        for statement in keys.PARTITION_UNIQUE_KEYS
     ),
-    # SECURITY DEFINER: the recorder role may insert events but not touch event_keys.
-    _ddl(
-        "CREATE TRIGGER events_keys AFTER INSERT ON events REFERENCING NEW TABLE AS appended "
-        "FOR EACH STATEMENT EXECUTE FUNCTION trajstore_guard_keys()"
-    ),
+    _ddl(keys.GUARD_KEYS_FUNCTION.replace("%", "%%")),
+    _ddl(keys.CHECK_KEYS_FUNCTION.replace("%", "%%")),
+    _ddl(keys.ROW_TRIGGER),
     _ddl(
         "CREATE TRIGGER events_no_update BEFORE UPDATE ON events "
         "FOR EACH ROW EXECUTE FUNCTION trajstore_refuse_change()"

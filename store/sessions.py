@@ -11,15 +11,20 @@ A session's events live in two kinds of streams (see `store.events`):
     session_discarded  {reason}
 
 `request-<request_id>`, one per model call, in this order:
-    request_received     {request_id, api: chat|completions, body, sampling, engine,
-                          policy_version, logprobs_mode, stream, asked: {token_ids, logprobs,
-                          usage}, received_at}; or, when the request's messages continue an
-                          earlier turn's, also {messages_prefix: {request_id, n_messages}} and
-                          body.messages = the messages after the first n_messages (see below).
+    request_received     {request_id, api: chat|completions|messages|responses, body,
+                          sampling, engine, policy_version, logprobs_mode, stream, asked:
+                          {token_ids, logprobs, usage}, received_at}; or, when the request's
+                          messages continue an earlier turn's, also {messages_prefix:
+                          {request_id, n_messages}} and body.messages = the messages after
+                          the first n_messages (see below).
                           With images in its messages: {n_images, image_token_id} (how many
                           image parts the whole messages hold; the engine's placeholder id,
                           when the proxy was told it) and each image's URL in body replaced by
-                          a reference, `trajstore-image:sha256:<hex>` (`store.images`)
+                          a reference, `trajstore-image:sha256:<hex>` (`store.images`); for
+                          api messages or responses also {images: [sha256, ...]}, the hashes
+                          in the order of the prompt's placeholders (their body's blocks are
+                          not chat messages; Messages' image sources become {type: url, url:
+                          <reference>}, Responses' image_url the reference)
                           With tools the engine did not get (api messages or responses):
                           {dropped_tools: [{param, type, name?}]}, each a tool left out
                           (`tools.8`, `web_search`: hosted and server tools) or a custom
@@ -181,6 +186,7 @@ def rebuild_session(
                 messages_prefix=payload.get("messages_prefix"),
                 n_images=int(payload.get("n_images") or 0),
                 image_token_id=payload.get("image_token_id"),
+                image_order=payload.get("images"),
             )
             turns[stream] = turn
             session.turns.append(turn)

@@ -12,7 +12,9 @@ Nothing is dropped silently:
 - When PostgreSQL goes away, the batch is retried with backoff for up to `retry_timeout` seconds.
   A lost connection during COMMIT leaves it unknown whether the batch landed, so every retry
   first asks which of the batch's event ids are already stored and writes only the others: each
-  event is stored exactly once.
+  event is stored exactly once. Before each COPY one statement (`keys.CHECK_KEYS`) checks
+  that none of the batch's stream versions is stored on any day, and waits for any other writer
+  of those streams to finish first (`store.keys`).
 - When a batch is refused for its content (a conflicting stream version, say), it is split in
   halves until the offending events are isolated; the others are stored, the offenders are
   reported to `flush()` for their session and logged.
@@ -34,10 +36,11 @@ from typing import Any
 
 import asyncpg
 
-from trajstore.store import queries
+from trajstore.store import keys, queries
 from trajstore.store.connection import RETRYABLE_ERRORS, close_quietly, connect
 from trajstore.store.errors import (
     BadEvent,
+    SchemaNotReady,
     StoreUnavailable,
     WriteFailed,
     WriterBackpressure,
@@ -64,7 +67,7 @@ def copy_row(stream_id: str, stream_version: int, e: NewEvent) -> Row:
         stream_version,
         e.session_id,
         e.run_id,
-        e.type.value,
+        e.type,  # a StrEnum: asyncpg sends it as the text it is
         e.payload_json,
         e.token_bytes,
         e.logprob_bytes,
@@ -130,9 +133,18 @@ class EventWriter:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> EventWriter:
-        """Start the background task (and check the database is reachable)."""
+        """Start the background task (and check the database is reachable and migrated)."""
         if self._task is None:
             self._conn = await connect(self.url, application_name=self.application_name)
+            try:
+                # An empty check: the schema has what the writer needs, and the connection has
+                # planned the check's probes (once per connection, tens of ms on a new one).
+                await self._conn.execute(keys.CHECK_KEYS, [], [], [])
+            except asyncpg.UndefinedFunctionError as exc:
+                await self._drop_connection()
+                raise SchemaNotReady(
+                    "the store's schema predates this writer: run `trajstore migrate`"
+                ) from exc
             self._task = asyncio.create_task(self._run(), name="trajstore-event-writer")
         return self
 
@@ -200,11 +212,15 @@ class EventWriter:
         check_stream_id(stream_id)
         if first_version < 1:
             raise BadEvent(f"stream versions start at 1, got {first_version}")
-        rows = []
-        for version, event in enumerate(events, start=first_version):
+        for event in events:
             if not isinstance(event, NewEvent):
                 raise BadEvent(f"the writer takes NewEvent objects, got {type(event).__name__}")
-            rows.append(copy_row(stream_id, version, event))
+        # `copy_row`, written out: one comprehension is half the time of a call per event.
+        rows = [
+            (e.event_id, stream_id, version, e.session_id, e.run_id, e.type, e.payload_json,
+             e.token_bytes, e.logprob_bytes)
+            for version, e in enumerate(events, start=first_version)
+        ]  # fmt: skip
         self._queue.extend(rows)
         self._enqueued += len(rows)
         self._arrivals.append((self._enqueued, time.monotonic()))
@@ -337,6 +353,9 @@ class EventWriter:
                 stored = {r[0] for r in await conn.fetch(queries.EXISTING_EVENT_IDS, ids)}
                 todo = [row for row in batch if row[_EVENT_ID] not in stored]
             if todo:
+                # Its streams' versions are not stored on any day yet, checked in one statement;
+                # within the day the partition's unique indexes refuse what slips in meanwhile.
+                await conn.execute(keys.CHECK_KEYS, *keys.stream_runs(todo))
                 await conn.copy_records_to_table(
                     "events", records=todo, columns=queries.INSERT_COLUMNS
                 )

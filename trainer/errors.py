@@ -6,7 +6,8 @@
     ├── SampleGone          a sample a recorded step used is no longer in the projection
     │   └── SampleChanged   ... or holds other tokens than it did at that step
     ├── StepAlreadyRecorded a training step was recorded already (the ledger never holds it twice)
-    └── MismatchCheckFailed an engine could not be asked for the logprobs of a recorded session
+    ├── MismatchCheckFailed an engine could not be asked for the logprobs of a recorded session
+    └── ImageMismatch       a sample's image cannot be rebuilt as recorded (`trainer.vision`)
 
 Store errors (`store.errors.StoreError`) pass through unchanged: they already say what failed.
 """
@@ -43,3 +44,8 @@ class StepAlreadyRecorded(TrainerError):
 
 class MismatchCheckFailed(TrainerError):
     """The engine could not be asked for the logprobs of a recorded session."""
+
+
+class ImageMismatch(TrainerError):
+    """A sample's image cannot be given to the model as recorded: its bytes are missing, or its
+    placeholder ids are not the run the model's processor makes of them."""

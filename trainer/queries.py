@@ -32,6 +32,13 @@ WHERE projection_version = {SERVED_SAMPLES_VERSION}
   AND sample_id = ANY($1::uuid[])
 """
 
+#: The images of the given samples in the served projection version (`trainer.vision`).
+READ_SAMPLE_IMAGES = f"""
+SELECT sample_id, session_id, images FROM samples
+WHERE projection_version = {SERVED_SAMPLES_VERSION}
+  AND sample_id = ANY($1::uuid[])
+"""
+
 # Samples in the order their projector committed them, never past the oldest transaction still
 # in flight: the same rule as the event log's READ_ALL, so a slow commit is never skipped.
 TAIL = """
@@ -43,4 +50,9 @@ WHERE {where}
   AND projected_tx < pg_snapshot_xmin(pg_current_snapshot())
 ORDER BY projected_tx, projected_seq
 LIMIT ${limit}
+"""
+
+#: How many steps a training run's ledger stream holds (its last stream version; 0: none).
+LEDGER_STEPS = """
+SELECT coalesce(max(stream_version), 0) FROM events WHERE stream_id = $1
 """

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -29,7 +29,7 @@ from tensordict import TensorDict
 
 from trajstore.store import EventStore
 from trajstore.store.connection import unavailable_as_store_error
-from trajstore.trainer import queries
+from trajstore.trainer import lag, queries
 from trajstore.trainer.advantages import group_advantages
 from trajstore.trainer.arrays import Arrays, decode_arrays, read_arrays
 from trajstore.trainer.collate import Layout, ReplaySample, collate
@@ -316,6 +316,8 @@ async def replay_live(
     poll_interval: float = 0.5,
     idle_timeout: float | None = None,
     read_limit: int = 1000,
+    policy_version: Callable[[], int] | None = None,
+    max_lag: int | None = None,
 ) -> AsyncIterator[tuple[TensorDict, LiveCheckpoint]]:
     """Batches of samples as their sessions finish, each with the checkpoint that follows it.
 
@@ -332,6 +334,11 @@ async def replay_live(
     A batch is handed over once full (the planned batches of the held samples, all but a last
     partial one). Save the checkpoint that comes with a batch once it is trained on; pass it
     back to resume. `idle_timeout`: stop after that many seconds with nothing new (None: never).
+
+    Policy lag (`trainer.lag`): `policy_version()` is the trainer's current version, asked as
+    each batch is made; batches carry each sample's staleness against it, and with `max_lag` a
+    sample whose oldest turn is more than `max_lag` versions behind is dropped (never trained,
+    not delivered again, logged), as is one whose version is unknown.
     """
     selection = selection or Selection()
     layout = Layout(batch_size, token_budget, pack)
@@ -359,7 +366,11 @@ async def replay_live(
                 state.held.pop(entry.sample_id, None)  # re-projected: keep the newest copy
                 state.held[entry.sample_id] = _Held(entry, arrays)
             _release_groups(state, group_size)
-            for batch, after in _full_batches(state, layout, selection):
+            current = selection
+            if policy_version is not None:
+                current = lag.at_version(selection, policy_version())
+                lag.drop_stale(state.held, state.delivered, current, max_lag)
+            for batch, after in _full_batches(state, layout, current):
                 yield batch, after
             if rows:
                 idle_since = loop.time()

@@ -20,6 +20,7 @@ from trajstore.store.connection import unavailable_as_store_error
 from trajstore.store.tokens import decode_logprobs, decode_token_ids
 from trajstore.trainer.advantages import group_advantages
 from trajstore.trainer.selection import Selection
+from trajstore.trainer.trl_rollout import run_sync
 
 if TYPE_CHECKING:
     from datasets import Dataset  # type: ignore[import-untyped,unused-ignore]
@@ -111,7 +112,5 @@ def samples_dataset(database_url: str, selection: Selection | None = None) -> Da
     Every row is held in memory. From async code, `Dataset(await read_samples_table(...))`.
     """
     from datasets import Dataset
-
-    from trajstore.trainer.trl_rollout import run_sync
 
     return Dataset(run_sync(lambda: read_samples_table(database_url, selection)))

@@ -31,12 +31,12 @@ What TRL gets, per prompt, in the shape its `rollout_func` contract names:
 - `trajstore_reward`, `trajstore_session_id`: extra fields TRL forwards to reward functions;
   `recorded_reward` is the reward function that hands TRL the agent's recorded reward.
 
-Offline (`samples_dataset`): the samples of a `Selection` as a `datasets.Dataset`, one row per
-sample, with `input_ids` and `completion_mask` as TRL's `SFTTrainer` reads pre-tokenised data.
+Offline (`trainer.trl_dataset.samples_dataset`): the samples of a `Selection` as a
+`datasets.Dataset`, one row per sample, with `input_ids` and `completion_mask` as TRL's
+`SFTTrainer` reads pre-tokenised data; every lineage of a session there, when asked.
 
 TRL, transformers and torch are never imported here: the trainer is passed in and only its
-`state.global_step` and `processing_class` are read. `datasets` and `pyarrow` are imported when
-`samples_dataset` is called.
+`state.global_step` and `processing_class` are read.
 """
 
 from __future__ import annotations
@@ -374,15 +374,3 @@ async def _post(
         raise RolloutFailed(f"POST {url}: {response.status_code} {response.text[:500]}")
     answer = response.json()
     return answer if isinstance(answer, dict) else {"answer": answer}
-
-
-# The offline half (`samples_dataset`) lives in `trainer.trl_dataset`; re-exported here, where
-# TRL users first look.
-from trajstore.trainer.trl_dataset import (  # noqa: E402
-    DATASET_COLUMNS,
-    SELECT_SAMPLES,
-    read_samples_table,
-    samples_dataset,
-)
-
-__all__ = ["DATASET_COLUMNS", "SELECT_SAMPLES", "read_samples_table", "samples_dataset"]

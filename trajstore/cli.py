@@ -17,6 +17,7 @@ main.lazy.update(
         "demo": "trajstore.demo:demo",
         "ui": "trajstore.viewer.cli:ui",
         "run": "trajstore.trials:run",
+        "train": "trajstore.train_cli:train",
     }
 )
 

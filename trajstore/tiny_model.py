@@ -183,62 +183,16 @@ def build_tiny_model(
     """
     # Heavy imports stay here: `import proxy` must work in an environment without torch.
     import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-    from transformers.utils import logging as hf_logging
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if hidden_size <= 0 or hidden_size % (NUM_HEADS * MIN_HEAD_DIM) != 0:
         raise ValueError(f"hidden_size must be a multiple of 128, got {hidden_size}")
     if vocab_size <= 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must exceed 256 bytes plus the specials, got {vocab_size}")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    # --- tokenizer -------------------------------------------------------------------------
-    # Byte-level BPE with Qwen2's normalizer and pre-tokenizer. transformers 5's AutoTokenizer
-    # (which vLLM uses) loads any `model_type: qwen2` checkpoint as Qwen2Tokenizer whatever
-    # tokenizer_config.json says, and that class rebuilds the pipeline from vocab and merges with
-    # its own NFC + regex split. Training with the same pipeline makes tokenizer.json, the
-    # generic fast class and Qwen2Tokenizer encode every string identically. The regex is taken
-    # from transformers rather than restated so the two cannot drift apart.
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+    tokenizer = build_tokenizer(
+        out_dir, seed=seed, vocab_size=vocab_size, max_positions=max_positions
     )
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        # All 256 bytes, so any UTF-8 text (and any id sequence decoded back) round-trips.
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    # A private Random keeps the corpus a function of `seed` alone, whatever else uses `random`.
-    corpus = list(_toy_corpus(random.Random(seed), CORPUS_SENTENCES))
-    bpe.train_from_iterator(corpus, trainer=trainer, length=len(corpus))
-    # The config below names special tokens by position in SPECIAL_TOKENS; fail loudly if a
-    # tokenizers release ever stops giving them the first ids in order.
-    for expected_id, token in enumerate(SPECIAL_TOKENS):
-        if bpe.token_to_id(token) != expected_id:
-            raise RuntimeError(f"{token} got id {bpe.token_to_id(token)}, not {expected_id}")
-
-    # transformers leaves these constructors unannotated; "unused-ignore" keeps the comment
-    # harmless where mypy runs without transformers installed.
-    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call,unused-ignore]
-        tokenizer_object=bpe,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        additional_special_tokens=[IM_START, TOOL_CALL_START, TOOL_CALL_END],
-        model_max_length=max_positions,
-        chat_template=CHAT_TEMPLATE,
-    )
-    tokenizer.save_pretrained(out_dir)
-    _make_tokenizer_config_portable(out_dir)
 
     # --- model -----------------------------------------------------------------------------
     token_count = len(tokenizer)
@@ -270,6 +224,81 @@ def build_tiny_model(
             model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call,unused-ignore]
         finally:
             torch.set_default_dtype(default_dtype)
+    save_quietly(model, out_dir)
+    return out_dir
+
+
+def build_tokenizer(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    max_positions: int = MAX_POSITIONS,
+    specials: tuple[str, ...] = SPECIAL_TOKENS,
+    chat_template: str = CHAT_TEMPLATE,
+) -> Any:
+    """Train the tiny byte-level BPE tokenizer and save it (with `chat_template`) to `out_dir`.
+
+    `specials` get the first ids, in order; they must start with `SPECIAL_TOKENS` (a vision
+    model adds its image tokens after them). Returns the `PreTrainedTokenizerFast`.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    if specials[: len(SPECIAL_TOKENS)] != SPECIAL_TOKENS:
+        raise ValueError("specials must start with SPECIAL_TOKENS")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Byte-level BPE with Qwen2's normalizer and pre-tokenizer. transformers 5's AutoTokenizer
+    # (which vLLM uses) loads any `model_type: qwen2` checkpoint as Qwen2Tokenizer whatever
+    # tokenizer_config.json says, and that class rebuilds the pipeline from vocab and merges with
+    # its own NFC + regex split. Training with the same pipeline makes tokenizer.json, the
+    # generic fast class and Qwen2Tokenizer encode every string identically. The regex is taken
+    # from transformers rather than restated so the two cannot drift apart.
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(specials),
+        # All 256 bytes, so any UTF-8 text (and any id sequence decoded back) round-trips.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # A private Random keeps the corpus a function of `seed` alone, whatever else uses `random`.
+    corpus = list(_toy_corpus(random.Random(seed), CORPUS_SENTENCES))
+    bpe.train_from_iterator(corpus, trainer=trainer, length=len(corpus))
+    # The config below names special tokens by position in SPECIAL_TOKENS; fail loudly if a
+    # tokenizers release ever stops giving them the first ids in order.
+    for expected_id, token in enumerate(specials):
+        if bpe.token_to_id(token) != expected_id:
+            raise RuntimeError(f"{token} got id {bpe.token_to_id(token)}, not {expected_id}")
+
+    # transformers leaves these constructors unannotated; "unused-ignore" keeps the comment
+    # harmless where mypy runs without transformers installed.
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call,unused-ignore]
+        tokenizer_object=bpe,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=[IM_START, TOOL_CALL_START, TOOL_CALL_END, *specials[5:]],
+        model_max_length=max_positions,
+        chat_template=chat_template,
+    )
+    tokenizer.save_pretrained(out_dir)
+    _make_tokenizer_config_portable(out_dir)
+    return tokenizer
+
+
+def save_quietly(model: Any, out_dir: Path) -> None:
+    """`model.save_pretrained(out_dir)` without its progress bar (the global switch restored)."""
+    from transformers.utils import logging as hf_logging
+
     # save_pretrained draws a progress bar for one tiny shard; keep test output clean, and put
     # the global switch back as it was.
     bar_was_enabled = hf_logging.is_progress_bar_enabled()
@@ -279,7 +308,6 @@ def build_tiny_model(
     finally:
         if bar_was_enabled:
             hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call,unused-ignore]
-    return out_dir
 
 
 def _make_tokenizer_config_portable(out_dir: Path) -> None:

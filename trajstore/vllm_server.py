@@ -56,6 +56,7 @@ class VllmServer:
         log_file: Path | None = None,
         extra_args: tuple[str, ...] = (),
         max_model_len: int = AGENT_CONTEXT,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.model_dir = model_dir
         self.port = port
@@ -63,6 +64,7 @@ class VllmServer:
         self.log_file = log_file
         self.extra_args = extra_args
         self.max_model_len = max_model_len
+        self.env = dict(env or {})  #: more environment for the server (e.g. its dev endpoints)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -83,6 +85,7 @@ class VllmServer:
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            **self.env,
         }
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",

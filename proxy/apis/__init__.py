@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from trajstore.proxy.apis.base import (
     Dropped,
     HostedTools,
+    ImagePart,
     StreamTranslation,
     Translation,
     refuse_hosted,
@@ -51,6 +52,7 @@ class AgentRequest(NamedTuple):
     asked: Asked  #: what the agent itself asked for (a translated API asks for none)
     translation: Translation | None  #: None for chat and completions
     dropped: list[Dropped]  #: of its tools, what the engine does not get
+    images: list[ImagePart]  #: a translated request's images, in chat order (chat: none)
 
 
 def dropped_json(dropped: list[Dropped]) -> list[dict[str, Any]] | None:
@@ -74,11 +76,11 @@ def as_chat(api: Api, raw: bytes, hosted_tools: HostedTools = "drop") -> AgentRe
     body = parse_body(api, raw)
     translation = TRANSLATIONS.get(api)
     if translation is None:
-        return AgentRequest(body, body, asked_for(api, body), None, [])
-    chat, dropped = translation.translate(body)
+        return AgentRequest(body, body, asked_for(api, body), None, [], [])
+    chat, dropped, images = translation.translate(body)
     if hosted_tools == "refuse":
         refuse_hosted(dropped, _RUNS_ON[api])
-    return AgentRequest(body, chat, Asked(False, False, False), translation, dropped)
+    return AgentRequest(body, chat, Asked(False, False, False), translation, dropped, images)
 
 
 __all__ = [
@@ -87,6 +89,7 @@ __all__ = [
     "AgentRequest",
     "Dropped",
     "HostedTools",
+    "ImagePart",
     "StreamTranslation",
     "Translation",
     "as_chat",

@@ -10,6 +10,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import orjson
 
 from trajstore.proxy.errors import BadRequest, ProxyError
+from trajstore.store.images import image_parts
 
 
 class StreamTranslation(Protocol):
@@ -50,11 +51,30 @@ class Dropped(NamedTuple):
         return out
 
 
+class ImagePart(NamedTuple):
+    """One image of a translated request: the chat part the engine gets, and where the agent
+    sent it. The recorder checks and hashes the chat part, names `param` when it cannot be
+    recorded, and records the agent's block at `path` as a reference (`referenced_block`)."""
+
+    chat_part: dict[str, Any]  #: the `image_url` part of the chat request (this very object)
+    param: str  #: the agent's part, as an error names it: `messages.2.content.1`
+    path: tuple[str | int, ...]  #: the keys from the agent's body to its block
+    field: str  #: the block's key that carries the image: `source` (Messages), `image_url`
+
+    def referenced_block(self, block: dict[str, Any], reference: str) -> dict[str, Any]:
+        """The agent's block as the log keeps it: the image's bytes replaced by a reference."""
+        if self.field == "source":  # Anthropic's: a URL source names it
+            return {**block, "source": {"type": "url", "url": reference}}
+        return {**block, self.field: reference}
+
+
 class Translated(NamedTuple):
-    """A request translated to chat, and what of its tools the engine does not get."""
+    """A request translated to chat, what of its tools the engine does not get, and its
+    images (in the order the chat messages hold them)."""
 
     chat: dict[str, Any]
     dropped: list[Dropped]
+    images: list[ImagePart] = []  # noqa: RUF012 (a NamedTuple default, never mutated)
 
 
 #: What the proxy does with a tool the engine cannot run (`ProxySettings.hosted_tools`).
@@ -117,12 +137,35 @@ def text_content(parts: list[str]) -> str | list[dict[str, str]]:
 
 
 def refuse_media(kind: Any, param: str) -> BadRequest:
-    """The 400 for content the proxy cannot pass on yet."""
+    """The 400 for content the proxy cannot pass on."""
     return BadRequest(
-        f"content of type {kind!r} is not supported on this API: send text only, or send "
-        "images as image_url parts on the chat API (/v1/chat/completions), which records them",
+        f"content of type {kind!r} is not supported here: the proxy passes on text, and "
+        "images in the messages of the user and in tool results",
         param=param,
     )
+
+
+def chat_content(parts: list[str | dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Chat content for text and image parts: `text_content` when all are text, else the
+    parts in order (text as text parts, images as the `image_url` parts given)."""
+    if all(isinstance(part, str) for part in parts):
+        return text_content(parts)  # type: ignore[arg-type]
+    return [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+
+
+def in_chat_order(messages: list[Any], images: list[ImagePart]) -> list[ImagePart]:
+    """`images` in the order the chat messages hold them, which is the order of their
+    placeholders in the prompt (a Messages tool result comes before the text of its message
+    there, whatever the order of the agent's blocks)."""
+    if len(images) < 2:
+        return images
+    by_part = {id(image.chat_part): image for image in images}
+    return [by_part[id(part)] for _, _, part in image_parts(messages)]
+
+
+def image_url_part(url: str, **extra: Any) -> dict[str, Any]:
+    """A chat `image_url` part for `url` (`extra`: OpenAI's `detail`, passed on)."""
+    return {"type": "image_url", "image_url": {"url": url, **extra}}
 
 
 def parsed_arguments(raw: Any) -> Any:

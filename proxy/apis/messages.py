@@ -11,7 +11,9 @@
     server tools (web_search_*, ...)        left out, recorded (`Translated.dropped`)
     tool_choice auto | any | tool | none    auto | required | that function | none
     stop_sequences, max_tokens              stop, max_tokens
-    image / document blocks                 400: text only, for now
+    image blocks (base64, url source)       image_url parts (a data URL, the URL), in user
+                                              messages and tool results; recorded by reference
+    document, file-source image blocks      400 naming the block
     cache_control, metadata, thinking,      accepted; not the engine's business (headers such
       context_management, output_config     as `anthropic-beta` neither)
 
@@ -30,7 +32,11 @@ import orjson
 
 from trajstore.proxy.apis.base import (
     AssistantTurn,
+    ImagePart,
     Translated,
+    chat_content,
+    image_url_part,
+    in_chat_order,
     parsed_arguments,
     refuse_media,
     serialised_arguments,
@@ -83,29 +89,84 @@ def _texts(content: Any, param: str) -> list[str]:
     return [_text_of(block, param) for block in content]
 
 
-def _user(content: Any, param: str) -> list[dict[str, Any]]:
-    """A user message: its tool results as tool messages first, then its text."""
+def _image(
+    block: dict[str, Any], at: tuple[str | int, ...], images: list[ImagePart]
+) -> dict[str, Any]:
+    """An image block as the chat `image_url` part the engine gets (a base64 source as a data
+    URL, a URL source as it is); noted in `images` for the recorder."""
+    param = ".".join(map(str, at))
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")  # type: ignore[union-attr]
+        if not isinstance(media_type, str) or not isinstance(data, str) or not data:
+            raise BadRequest(
+                f"{param}: a base64 image source needs 'media_type' (image/png, image/jpeg, ...) "
+                "and 'data' (the image's bytes in base64)",
+                param=param,
+            )
+        url = f"data:{media_type};base64,{data}"
+    elif kind == "url":
+        url = source.get("url")  # type: ignore[union-attr]
+        if not isinstance(url, str) or not url:
+            raise BadRequest(f"{param}: a url image source needs 'url'", param=param)
+    else:
+        raise BadRequest(
+            f"{param}: image sources of type {kind!r} are not served (Files API uploads need "
+            "Anthropic's servers): send the image as a base64 or url source",
+            param=param,
+        )
+    part = image_url_part(url)
+    images.append(ImagePart(part, param, at, "source"))
+    return part
+
+
+def _parts(
+    content: Any, at: tuple[str | int, ...], images: list[ImagePart]
+) -> list[str | dict[str, Any]]:
+    """A user message's or tool result's blocks: text as strings, images as chat parts."""
+    if isinstance(content, str):
+        return [content]
+    param = ".".join(map(str, at))
+    if not isinstance(content, list):
+        raise BadRequest("'content' must be a string or a list of content blocks", param=param)
+    out: list[str | dict[str, Any]] = []
+    for j, block in enumerate(content):
+        if isinstance(block, dict) and block.get("type") == "image":
+            out.append(_image(block, (*at, j), images))
+        else:
+            out.append(_text_of(block, param))
+    return out
+
+
+def _user(content: Any, at: tuple[str | int, ...], images: list[ImagePart]) -> list[dict[str, Any]]:
+    """A user message: its tool results as tool messages first, then its text and images."""
+    param = ".".join(map(str, at))
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     if not isinstance(content, list):
         raise BadRequest("'content' must be a string or a list of content blocks", param=param)
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
-    for block in content:
+    parts: list[str | dict[str, Any]] = []
+    for j, block in enumerate(content):
         if isinstance(block, dict) and block.get("type") == "tool_result":
             result = block.get("content", "")
-            parts = _texts(result, param) if result else [""]
+            found: list[str | dict[str, Any]] = (
+                _parts(result, (*at, j, "content"), images) if result else [""]
+            )
             out.append(
                 {
                     "role": "tool",
                     "tool_call_id": block.get("tool_use_id"),
-                    "content": text_content(parts),
+                    "content": chat_content(found),
                 }
             )
+        elif isinstance(block, dict) and block.get("type") == "image":
+            parts.append(_image(block, (*at, j), images))
         else:
-            texts.append(_text_of(block, param))
-    if texts:
-        out.append({"role": "user", "content": text_content(texts)})
+            parts.append(_text_of(block, param))
+    if parts:
+        out.append({"role": "user", "content": chat_content(parts)})
     return out
 
 
@@ -139,8 +200,12 @@ def _assistant(content: Any, param: str) -> dict[str, Any]:
     return message
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chat messages a Messages request means (system first)."""
+def chat_messages(
+    body: dict[str, Any], images: list[ImagePart] | None = None
+) -> list[dict[str, Any]]:
+    """The chat messages a Messages request means (system first); its images are noted in
+    `images`, in the agent's order (`in_chat_order` gives the prompt's)."""
+    images = [] if images is None else images
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", param="messages")
@@ -152,7 +217,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         param = f"messages.{k}.content"
         role = message.get("role") if isinstance(message, dict) else None
         if role == "user":
-            out += _user(message.get("content"), param)
+            out += _user(message.get("content"), ("messages", k, "content"), images)
         elif role == "assistant":
             out.append(_assistant(message.get("content"), param))
         elif role == "system":  # not Anthropic's, but sent by some CLIs mid-conversation
@@ -199,7 +264,8 @@ class Messages:
                 raise BadRequest(f"'{refused}' runs on Anthropic's servers", param=refused)
         chat: dict[str, Any] = {k: v for k, v in body.items() if k not in _OWN}
         chat["model"] = body.get("model")
-        chat["messages"] = chat_messages(body)
+        images: list[ImagePart] = []
+        chat["messages"] = chat_messages(body, images)
         chat["max_tokens"] = max_tokens
         for field in ("temperature", "top_p", "top_k"):
             if body.get(field) is not None:
@@ -218,7 +284,7 @@ class Messages:
             _tool_choice(body["tool_choice"], chat)
         if body.get("stream"):  # checked with the body (`proxy.wire.parse_body`)
             chat["stream"] = True
-        return Translated(chat, dropped)
+        return Translated(chat, dropped, in_chat_order(chat["messages"], images))
 
     def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """The chat request alone."""

@@ -14,7 +14,10 @@
     hosted tools (web_search, mcp, ...)     left out, recorded (`Translated.dropped`)
     max_output_tokens, text.format          max_tokens, response_format
     previous_response_id, conversation      400: send the whole conversation in `input`
-    images, files                           400: text only, for now
+    input_image (data URL, http URL)        image_url parts (detail passed on), in messages
+                                              and tool outputs; recorded by reference
+    input_image by file_id, input_file,     400 naming the part
+      input_audio
     store, include, reasoning,              accepted; not the engine's business (`include`
       prompt_cache_key, client_metadata     shapes the answer: logprobs, reasoning)
 
@@ -31,7 +34,11 @@ from typing import Any
 from trajstore.proxy.apis.base import (
     AssistantTurn,
     Dropped,
+    ImagePart,
     Translated,
+    chat_content,
+    image_url_part,
+    in_chat_order,
     refuse_media,
     text_content,
 )
@@ -65,25 +72,59 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def _parts(content: Any, param: str) -> list[str]:
+    """Text parts only (instructions, an assistant's message)."""
+    return [p for p in _media_parts(content, (param,), None) if isinstance(p, str)]
+
+
+def _media_parts(
+    content: Any, at: tuple[str | int, ...], images: list[ImagePart] | None
+) -> list[str | dict[str, Any]]:
+    """Content parts: text as strings, `input_image` parts as chat `image_url` parts (noted
+    in `images`; None where images cannot be: a 400)."""
+    param = ".".join(map(str, at))
     if isinstance(content, str):
         return [content]
     if not isinstance(content, list):
         raise BadRequest("'content' must be a string or a list of content parts", param=param)
-    texts = []
-    for part in content:
+    out: list[str | dict[str, Any]] = []
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS:
-            texts.append(str(part.get("text", "")))
+            out.append(str(part.get("text", "")))
         elif kind == "refusal":
-            texts.append(str(part.get("refusal", "")))
+            out.append(str(part.get("refusal", "")))
+        elif kind == "input_image" and images is not None:
+            out.append(_image(part, (*at, j), images))
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise refuse_media(kind, param)
+            raise refuse_media(kind, f"{param}.{j}")
         else:
             raise BadRequest(f"unexpected content part {kind!r}", param=param)
-    return texts
+    return out
 
 
-def _item_messages(items: list[Any]) -> list[dict[str, Any]]:
+def _image(part: dict[str, Any], at: tuple[str | int, ...], images: list[ImagePart]) -> Any:
+    """An `input_image` part as the chat `image_url` part the engine gets."""
+    param = ".".join(map(str, at))
+    url = part.get("image_url")
+    if part.get("file_id") and not url:
+        raise BadRequest(
+            f"{param}: images by 'file_id' need files stored by OpenAI's servers, which "
+            "trajstore's proxy does not keep: send 'image_url' (a data URL or an http(s) URL)",
+            param=param,
+        )
+    if not isinstance(url, str) or not url:
+        raise BadRequest(
+            f"{param}: an input_image needs 'image_url': a data URL "
+            "(data:image/png;base64,...) or an http(s) URL the engine can fetch",
+            param=param,
+        )
+    detail = {"detail": part["detail"]} if isinstance(part.get("detail"), str) else {}
+    chat_part = image_url_part(url, **detail)
+    images.append(ImagePart(chat_part, param, at, "image_url"))
+    return chat_part
+
+
+def _item_messages(items: list[Any], images: list[ImagePart]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for k, item in enumerate(items):
         param = f"input.{k}"
@@ -97,9 +138,11 @@ def _item_messages(items: list[Any]) -> list[dict[str, Any]]:
                     "a message's 'role' must be user, system, developer or assistant",
                     param=f"{param}.role",
                 )
-            texts = _parts(item.get("content"), f"{param}.content")
+            # Images are the user's (a model does not send them back; system prompts have none).
+            where = images if role == "user" else None
+            parts = _media_parts(item.get("content"), ("input", k, "content"), where)
             role = "system" if role == "developer" else role
-            out.append({"role": role, "content": text_content(texts) if texts else ""})
+            out.append({"role": role, "content": chat_content(parts) if parts else ""})
         elif kind in _CALLS:
             call = chat_call(item, kind, param)
             last = out[-1] if out else None
@@ -110,7 +153,11 @@ def _item_messages(items: list[Any]) -> list[dict[str, Any]]:
         elif kind in _OUTPUTS:
             call_id = output_call_id(item, kind, param)
             output = item.get("output", "")
-            content = output if isinstance(output, str) else text_content(_parts(output, param))
+            content = (
+                output
+                if isinstance(output, str)
+                else chat_content(_media_parts(output, ("input", k, "output"), images))
+            )
             out.append({"role": "tool", "tool_call_id": call_id, "content": content})
         elif kind == "reasoning":
             continue  # not sent back to the model: templates strip earlier reasoning
@@ -129,8 +176,12 @@ def _item_messages(items: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chat messages a Responses request means (instructions first)."""
+def chat_messages(
+    body: dict[str, Any], images: list[ImagePart] | None = None
+) -> list[dict[str, Any]]:
+    """The chat messages a Responses request means (instructions first); its images are noted
+    in `images`."""
+    images = [] if images is None else images
     for field in ("previous_response_id", "conversation"):
         if body.get(field):
             raise BadRequest(
@@ -149,7 +200,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if isinstance(given, str):
         out.append({"role": "user", "content": given})
     elif isinstance(given, list) and given:
-        out += _item_messages(given)
+        out += _item_messages(given, images)
     else:
         raise BadRequest("'input' must be a string or a non-empty list of items", param="input")
     return out
@@ -196,7 +247,8 @@ class Responses:
                 raise BadRequest(f"'{refused}' is not served by trajstore's proxy", param=refused)
         chat: dict[str, Any] = {k: v for k, v in body.items() if k not in _OWN}
         chat["model"] = body.get("model")
-        chat["messages"] = chat_messages(body)
+        images: list[ImagePart] = []
+        chat["messages"] = chat_messages(body, images)
         if body.get("max_output_tokens") is not None:
             chat["max_tokens"] = body["max_output_tokens"]
         for field in ("temperature", "top_p", "top_logprobs", "parallel_tool_calls"):
@@ -214,7 +266,7 @@ class Responses:
             chat["response_format"] = response_format
         if body.get("stream"):  # checked with the body (`proxy.wire.parse_body`)
             chat["stream"] = True
-        return Translated(chat, dropped)
+        return Translated(chat, dropped, in_chat_order(chat["messages"], images))
 
     def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """The chat request alone."""

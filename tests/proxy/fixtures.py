@@ -25,6 +25,7 @@ from trajstore.store import EventStore
 from trajstore.store.samples import Sample, build_samples
 from trajstore.store.sessions import rebuild_session
 from trajstore.tiny_model import build_tiny_model
+from trajstore.tiny_vlm import build_tiny_vlm
 from trajstore.vllm_server import VllmServer
 
 
@@ -174,6 +175,29 @@ def vllm() -> Iterator[str]:
     """
     with served_tiny_model() as url:
         yield url
+
+
+@contextlib.contextmanager
+def served_tiny_vlm() -> Iterator[tuple[str, Path]]:
+    """A real vLLM (CPU build) on a freshly generated tiny vision-language model
+    (`trajstore.tiny_vlm`): its URL and the model's directory (its processor)."""
+    workdir = Path(tempfile.mkdtemp(prefix="trajstore-vlm-"))
+    model = build_tiny_vlm(workdir / "model")
+    server = VllmServer(model, free_port(), log_file=workdir / "vllm.log", max_model_len=8192)
+    server.start()
+    try:
+        yield server.url, model
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_vlm() -> Iterator[tuple[str, Path]]:
+    """A real vLLM serving the tiny vision-language model for one test module (stopped after
+    it, so it never runs beside the text model's for long): its URL and the model's
+    directory. Tests that use it carry the `vllm` mark."""
+    with served_tiny_vlm() as served:
+        yield served
 
 
 def made_whole(record: dict[str, Any]) -> dict[str, Any]:

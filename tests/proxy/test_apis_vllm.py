@@ -152,12 +152,12 @@ async def test_anthropic_errors_come_in_its_own_shape(proxy: RunningProxy) -> No
     session = await proxy.new_session()
     client = claude(proxy, session)
     with pytest.raises(anthropic.BadRequestError) as refused:
-        await client.messages.create(  # images wait for multi-modal: a 400 that says so
+        await client.messages.create(  # documents need Anthropic's servers: a 400 that says so
             model="tiny", max_tokens=8,
-            messages=[{"role": "user", "content": [{"type": "image", "source": {
-                "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}],
+            messages=[{"role": "user", "content": [{"type": "document", "source": {
+                "type": "text", "media_type": "text/plain", "data": "a note"}}]}],
         )  # fmt: skip
-    assert "image" in str(refused.value.body)
+    assert "document" in str(refused.value.body)
     bad = anthropic.AsyncAnthropic(
         base_url=session["anthropic_base_url"], api_key="not-the-key", max_retries=0
     )

@@ -59,14 +59,14 @@ def functions(chat: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 @pytest.mark.parametrize("server", SERVER, ids=lambda tool: tool["type"])
 def test_a_server_tool_is_left_out_and_named(server: dict[str, Any]) -> None:
-    chat, dropped = translated(ADD, server)
+    chat, dropped, _ = translated(ADD, server)
     assert list(functions(chat)) == ["add"]
     assert dropped == [Dropped("tools.1", server["type"], server["name"])]
 
 
 def test_client_tools_drop_anthropics_own_fields() -> None:
     deferred = {**ADD, "name": "later", "defer_loading": True, "strict": True}
-    chat, _ = translated(ADD, deferred)
+    chat, *_ = translated(ADD, deferred)
     assert functions(chat)["add"] == {
         "name": "add", "parameters": ADD_SCHEMA, "description": "Add two integers.",
     }  # fmt: skip
@@ -74,7 +74,7 @@ def test_client_tools_drop_anthropics_own_fields() -> None:
 
 
 def test_bash_is_served_with_its_schema_under_its_name() -> None:
-    chat, dropped = translated(BASH)
+    chat, dropped, _ = translated(BASH)
     bash = functions(chat)["bash"]
     assert set(bash["parameters"]["properties"]) == {"command", "restart"} and dropped == []
 
@@ -83,7 +83,7 @@ def test_bash_is_served_with_its_schema_under_its_name() -> None:
 def test_the_text_editor_is_served_with_the_commands_of_its_version(
     editor: dict[str, Any], undo: bool
 ) -> None:
-    chat, _ = translated(editor)
+    chat, *_ = translated(editor)
     schema = functions(chat)[editor["name"]]["parameters"]
     assert ("undo_edit" in schema["properties"]["command"]["enum"]) is undo
     assert {"path", "old_str", "new_str", "insert_line", "view_range"} <= set(schema["properties"])
@@ -127,7 +127,7 @@ def test_a_malformed_tool_is_a_400_naming_it(tool: Any, param: str) -> None:
 
 def test_count_tokens_counts_the_served_tools_and_names_the_rest() -> None:
     body = messages_body(tools=[ADD, SERVER[0]])
-    request, dropped = Messages().count_tokens_request(body)
+    request, dropped, _ = Messages().count_tokens_request(body)
     assert list(functions(request)) == ["add"] and request["add_generation_prompt"] is True
     assert dropped == [Dropped("tools.1", "web_search_20250305", "web_search")]
 
@@ -136,7 +136,7 @@ def test_claude_codes_first_request_is_served_whole() -> None:
     request = captured(CLAUDE_CODE_FIRST)
     body = request["body"]
     assert "claude-code-20250219" in request["headers"]["anthropic-beta"]
-    chat, dropped = Messages().translate(body)
+    chat, dropped, _ = Messages().translate(body)
     assert dropped == []
     assert len(chat["tools"]) == len(body["tools"])
     # Its system blocks (two with cache_control) are one system message; its reminder a

@@ -3,6 +3,7 @@ sends them, vLLM's answers and streams back, validated with the SDK's own types 
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -194,21 +195,66 @@ IMAGE_BLOCK = {
 }
 
 
-def test_messages_image_block_is_a_400_naming_images() -> None:
-    content = [IMAGE_BLOCK, {"type": "text", "text": "What is in this picture?"}]
-    error = bad_request(Messages(), messages_body(messages=[{"role": "user", "content": content}]))
-    assert "image" in error.message
-    assert error.param == "messages.0.content"
-
-
-def test_messages_image_inside_a_tool_result_is_a_400() -> None:
+def test_messages_image_blocks_become_image_url_parts_in_the_order_of_the_prompt() -> None:
+    url_block = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
     result = {
         "type": "tool_result",
         "tool_use_id": "toolu_1",
         "content": [{"type": "text", "text": "the screenshot:"}, IMAGE_BLOCK],
     }
-    error = bad_request(Messages(), messages_body(messages=[{"role": "user", "content": [result]}]))
-    assert "image" in error.message
+    content = [url_block, {"type": "text", "text": "And this?"}, result]
+    translated = Messages().translate(
+        messages_body(messages=[{"role": "user", "content": content}])
+    )
+    data_url = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUg=="
+    assert translated.chat["messages"] == [
+        {
+            "role": "tool",
+            "tool_call_id": "toolu_1",
+            "content": [
+                {"type": "text", "text": "the screenshot:"},
+                {"type": "image_url", "image_url": {"url": data_url}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+                {"type": "text", "text": "And this?"},
+            ],
+        },
+    ]
+    # The tool result comes first in the prompt, so its image is the first placeholder run.
+    assert [image.param for image in translated.images] == [
+        "messages.0.content.2.content.1",
+        "messages.0.content.0",
+    ]
+    assert translated.images[0].path == ("messages", 0, "content", 2, "content", 1)
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        ({"type": "file", "file_id": "file_1"}, "base64 or url source"),
+        ({"type": "base64", "media_type": "image/png"}, "'data'"),
+        ({"type": "url"}, "'url'"),
+    ],
+)
+def test_messages_image_block_that_cannot_be_served_is_a_400_naming_the_block(
+    source: dict[str, Any], says: str
+) -> None:
+    content = [{"type": "text", "text": "look"}, {"type": "image", "source": source}]
+    error = bad_request(Messages(), messages_body(messages=[{"role": "user", "content": content}]))
+    assert says in error.message
+    assert error.param == "messages.0.content.1"
+
+
+def test_messages_document_block_is_a_400() -> None:
+    document = {"type": "document", "source": {"type": "text", "data": "x"}}
+    error = bad_request(
+        Messages(), messages_body(messages=[{"role": "user", "content": [document]}])
+    )
+    assert "document" in error.message
 
 
 def test_messages_missing_max_tokens_is_a_400_naming_max_tokens() -> None:
@@ -559,3 +605,31 @@ def test_messages_round_trip_of_text_is_the_same_reply() -> None:
     )
     sent = Messages().to_chat(body)["messages"][1]
     assert same_reply(sent, CHAT_TEXT["choices"][0]["message"])
+
+
+def test_a_recorded_body_refers_to_its_images_in_place_and_leaves_the_agents_untouched() -> None:
+    import copy
+    import hashlib
+
+    from trajstore.proxy.images import referenced, referenced_body
+
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "toolu_1",
+        "content": [{"type": "text", "text": "the screenshot:"}, IMAGE_BLOCK],
+    }
+    body = messages_body(messages=[{"role": "user", "content": [result, IMAGE_BLOCK]}])
+    sent = copy.deepcopy(body)
+    translated = Messages().translate(body)
+    params = {id(image.chat_part): image.param for image in translated.images}
+    found = referenced(translated.chat["messages"], 1 << 20, params)
+    recorded = referenced_body(body, translated.images, found.messages)
+
+    assert body == sent  # the agent's body, as the engine's request was made from it
+    digest = hashlib.sha256(base64.b64decode(IMAGE_BLOCK["source"]["data"])).hexdigest()
+    reference = {"type": "url", "url": f"trajstore-image:sha256:{digest}"}
+    blocks = recorded["messages"][0]["content"]
+    assert blocks[0]["content"][1] == {"type": "image", "source": reference}
+    assert blocks[1] == {"type": "image", "source": reference}
+    assert blocks[0]["content"][0] == {"type": "text", "text": "the screenshot:"}
+    assert found.hashes == [digest, digest]

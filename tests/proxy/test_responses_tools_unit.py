@@ -98,7 +98,7 @@ def engine_calls(*calls: tuple[str, str]) -> dict[str, Any]:
 
 
 def test_a_namespace_is_its_functions_under_flat_names() -> None:
-    chat, dropped = translated(FUNCTION_TOOL, NAMESPACE)
+    chat, dropped, _ = translated(FUNCTION_TOOL, NAMESPACE)
     names = [tool["function"]["name"] for tool in chat["tools"]]
     assert names == ["add", "multi_agent_v1__spawn_agent", "multi_agent_v1__wait_agent"]
     spawn = chat["tools"][1]["function"]
@@ -113,12 +113,12 @@ def test_a_namespace_is_its_functions_under_flat_names() -> None:
 def test_flat_names_are_codexs(namespace: str, name: str, flat: str) -> None:
     tool = {"type": "namespace", "name": namespace, "description": "d",
             "tools": [{"type": "function", "name": name, "parameters": ADD_SCHEMA}]}  # fmt: skip
-    chat, _ = translated(tool)
+    chat, *_ = translated(tool)
     assert chat["tools"][0]["function"]["name"] == flat
 
 
 def test_a_custom_tool_is_a_function_of_one_string_and_its_grammar_is_recorded_as_dropped() -> None:
-    chat, dropped = translated(APPLY_PATCH, FREEFORM)
+    chat, dropped, _ = translated(APPLY_PATCH, FREEFORM)
     patch, note = (tool["function"] for tool in chat["tools"])
     assert patch["name"] == "apply_patch" and patch["description"] == "Edit files with a patch."
     assert patch["parameters"]["required"] == ["input"]
@@ -130,7 +130,7 @@ def test_a_custom_tool_is_a_function_of_one_string_and_its_grammar_is_recorded_a
 
 
 def test_local_shell_is_a_function_of_the_exec_actions_fields() -> None:
-    chat, dropped = translated(LOCAL_SHELL)
+    chat, dropped, _ = translated(LOCAL_SHELL)
     [function] = [tool["function"] for tool in chat["tools"]]
     assert function["name"] == "local_shell" and dropped == []
     action_fields = set(LocalShellCallAction.__annotations__) - {"type"}
@@ -140,7 +140,7 @@ def test_local_shell_is_a_function_of_the_exec_actions_fields() -> None:
 
 @pytest.mark.parametrize("hosted", HOSTED, ids=lambda tool: tool["type"])
 def test_a_hosted_tool_is_left_out_and_named(hosted: dict[str, Any]) -> None:
-    chat, dropped = translated(FUNCTION_TOOL, hosted)
+    chat, dropped, _ = translated(FUNCTION_TOOL, hosted)
     assert [tool["function"]["name"] for tool in chat["tools"]] == ["add"]
     label = hosted.get("server_label")
     assert dropped == [Dropped("tools.1", hosted["type"], label)]
@@ -148,7 +148,7 @@ def test_a_hosted_tool_is_left_out_and_named(hosted: dict[str, Any]) -> None:
 
 
 def test_only_hosted_tools_leave_the_engine_no_tools() -> None:
-    chat, dropped = translated(*HOSTED)
+    chat, dropped, _ = translated(*HOSTED)
     assert "tools" not in chat and len(dropped) == len(HOSTED)
 
 
@@ -190,7 +190,7 @@ def test_two_tools_of_one_engine_name_are_a_400() -> None:
 
 
 def test_tool_choice_of_a_custom_or_namespaced_tool_names_its_function() -> None:
-    chat, _ = translated(APPLY_PATCH, tool_choice={"type": "custom", "name": "apply_patch"})
+    chat, *_ = translated(APPLY_PATCH, tool_choice={"type": "custom", "name": "apply_patch"})
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "apply_patch"}}
     choice = {"type": "function", "name": "wait_agent", "namespace": "multi_agent_v1"}
     chat = Responses().to_chat(responses_body(tools=[NAMESPACE], tool_choice=choice))
@@ -201,7 +201,7 @@ def test_tool_choice_of_a_custom_or_namespaced_tool_names_its_function() -> None
 def test_codexs_first_request_is_served_with_web_search_left_out() -> None:
     request = captured(CODEX_FIRST)
     body = request["body"]
-    chat, dropped = Responses().translate(body)
+    chat, dropped, _ = Responses().translate(body)
     assert dropped == [Dropped("tools.8", "web_search")]
     names = [tool["function"]["name"] for tool in chat["tools"]]
     assert "multi_agent_v1__spawn_agent" in names and len(names) == 7 + 5
@@ -341,7 +341,7 @@ def test_calls_and_outputs_sent_back_are_the_tool_calls_and_tool_messages() -> N
         {"type": "custom_tool_call_output", "call_id": "c2", "output": "patched"},
         {"type": "local_shell_call_output", "id": "c3", "output": '{"stdout": "a"}'},
     ]  # fmt: skip
-    chat, _ = translated(NAMESPACE, APPLY_PATCH, LOCAL_SHELL, input=items)
+    chat, *_ = translated(NAMESPACE, APPLY_PATCH, LOCAL_SHELL, input=items)
     _, assistant, *outputs = chat["messages"]
     assert [call["function"] for call in assistant["tool_calls"]] == [
         {"name": "multi_agent_v1__wait_agent", "arguments": '{"timeout": 5}'},

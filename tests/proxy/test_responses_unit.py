@@ -195,17 +195,54 @@ def test_responses_reasoning_item_is_dropped() -> None:
     ]
 
 
-def test_responses_input_image_is_a_400() -> None:
+def test_responses_input_images_become_image_url_parts_with_their_detail() -> None:
+    data_url = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUg=="
+    items = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "What is this?"},
+                {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "low"},
+            ],
+        },
+        {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": "{}"},
+        {
+            "type": "function_call_output",
+            "call_id": "c1",
+            "output": [{"type": "input_image", "image_url": data_url}],
+        },
+    ]
+    translated = Responses().translate(responses_body(input=items))
+    messages = translated.chat["messages"]
+    assert messages[0]["content"] == [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png", "detail": "low"}},
+    ]
+    assert messages[2] == {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "content": [{"type": "image_url", "image_url": {"url": data_url}}],
+    }
+    assert [image.param for image in translated.images] == ["input.0.content.1", "input.2.output.0"]
+
+
+def test_responses_input_image_by_file_id_is_a_400_naming_the_part() -> None:
     item = {
         "role": "user",
         "content": [
             {"type": "input_text", "text": "What is this?"},
-            {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "auto"},
+            {"type": "input_image", "file_id": "file-abc", "detail": "auto"},
         ],
     }
     error = bad_request(Responses(), responses_body(input=[item]))
-    assert "image" in error.message
-    assert error.param == "input.0.content"
+    assert "file_id" in error.message
+    assert error.param == "input.0.content.1"
+
+
+def test_responses_input_file_is_a_400_naming_the_part() -> None:
+    item = {"role": "user", "content": [{"type": "input_file", "file_id": "file-abc"}]}
+    error = bad_request(Responses(), responses_body(input=[item]))
+    assert error.param == "input.0.content.0"
 
 
 def test_responses_previous_response_id_is_a_400_asking_for_the_whole_input() -> None:

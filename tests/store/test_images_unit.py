@@ -90,9 +90,9 @@ def test_a_sample_lists_its_last_turns_images_with_their_spans_and_sources() -> 
     (sample,) = build_samples(recorded)
     assert sample.images == [
         {"sha256": a, "source": "data", "url": None, "media_type": "image/png",
-         "start": 2, "end": 4},
+         "start": 2, "end": 4, "reason": None},
         {"sha256": u, "source": "url", "url": "https://x/y.png", "media_type": None,
-         "start": 10, "end": 13},
+         "start": 10, "end": 13, "reason": None},
     ]  # fmt: skip
     assert all(sample.token_ids[i] == PAD for i in range(10, 13))
 
@@ -102,6 +102,28 @@ def test_an_image_whose_event_is_missing_keeps_its_hash_and_span_without_a_sourc
     (sample,) = build_samples(session(record))
     assert sample.images[0]["sha256"] == "d" * 64
     assert (sample.images[0]["source"], sample.images[0]["start"]) == (None, 1)
+
+
+def test_images_not_located_say_why_rather_than_guess() -> None:
+    a, b = "a" * 64, "b" * 64
+    # Two images whose runs touch: one run for two images.
+    merged = image_turn([1, START, PAD, PAD, PAD, PAD, END], [20, EOS], [a, b], 0)
+    (sample,) = build_samples(session(merged))
+    assert [(i["start"], i["reason"]) for i in sample.images] == [
+        (None, "1 placeholder runs for 2 images")
+    ] * 2
+    # The same image twice, with runs of different lengths: they are not the image's.
+    twice = image_turn([1, START, PAD, PAD, END, 10, START, PAD, END], [20, EOS], [a, a], 0)
+    (sample,) = build_samples(session(twice))
+    assert {i["reason"] for i in sample.images} == {
+        "the same image has placeholder runs of different lengths"
+    }
+    assert {i["start"] for i in sample.images} == {None}
+    # No placeholder id recorded.
+    unknown = image_turn([1, PAD, 10], [20, EOS], [a], 0)
+    unknown.image_token_id = None
+    (sample,) = build_samples(session(unknown))
+    assert "TRAJSTORE_IMAGE_TOKEN_ID" in sample.images[0]["reason"]
 
 
 def test_text_only_samples_have_no_images() -> None:

@@ -24,13 +24,12 @@ from trajstore.store.samples import build_samples, final_branch
 from trajstore.store.sessions import rebuild_session
 from trajstore.store.tokens import decode_logprobs, decode_token_ids
 from trajstore.trainer.selection import Selection
+from trajstore.trainer.trl_dataset import DATASET_COLUMNS, samples_dataset
 from trajstore.trainer.trl_rollout import (
-    DATASET_COLUMNS,
     Agent,
     RolloutFailed,
     TrajstoreRollout,
     recorded_reward,
-    samples_dataset,
     trl_fields,
 )
 

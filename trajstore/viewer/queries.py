@@ -89,3 +89,11 @@ WHERE session_id = $1
   AND projection_version = (SELECT version FROM projection_serving WHERE name = 'samples')
 ORDER BY branch, alternative_of NULLS FIRST
 """
+
+#: One image a session recorded (`image_recorded`), by its hash: its media type and base64 data.
+SESSION_IMAGE = """
+SELECT payload ->> 'media_type' AS media_type, payload ->> 'data' AS data FROM events
+WHERE session_id = $1 AND event_type = 'image_recorded' AND payload ->> 'source' = 'data'
+  AND payload ->> 'sha256' = $2
+LIMIT 1
+"""

@@ -3,6 +3,8 @@
     GET /sessions/{id}              the page: facts, samples (branches, divergences), turns
     GET /sessions/{id}/summary      the same without the frame (what a live page swaps in)
     GET /sessions/{id}/turns/{n}    one turn's body: messages, tool calls, timing, token strip
+                                    (and the images its strip holds, as thumbnails)
+    GET /sessions/{id}/images/{sha256}  an image the session recorded, as its bytes
     GET /sessions/{id}/live         server-sent events: `changed` when the log grew, `finished`
 
 Turn bodies are fetched when a turn is opened, so a long session's page stays small: a
@@ -14,12 +16,13 @@ Turn bodies are fetched when a turn is opened, so a long session's page stays sm
 from __future__ import annotations
 
 import asyncio
+import base64
 import math
 from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import HTMLResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from trajstore.store.connection import unavailable_as_store_error
 from trajstore.viewer import queries
@@ -166,6 +169,26 @@ async def turn_body(request: Request, app: ViewerDep, session_id: str, index: st
         "divergence": view.starts[number].divergence if number in view.starts else None,
     }
     return app.templates.TemplateResponse(request, "_turn.html", context)
+
+
+@router.get("/sessions/{session_id}/images/{sha256}")
+async def session_image(app: ViewerDep, session_id: str, sha256: str) -> Response:
+    """The bytes of an image the session recorded (a data image; a URL image is the URL's),
+    for the strip's thumbnails. Its hash names it, so it never changes: cached for good."""
+    if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+        raise BadFilter(f"an image is named by its sha256 (64 hex digits), not {sha256!r}")
+    async with unavailable_as_store_error(), app.store.pool.acquire() as conn:
+        row = await conn.fetchrow(queries.SESSION_IMAGE, session_id, sha256)
+    if row is None:
+        raise PageNotFound(f"session {session_id!r} recorded no data image {sha256}")
+    media_type = row["media_type"] or ""
+    return Response(
+        base64.b64decode(row["data"]),
+        # Only an image type is served as such: the bytes are the agent's, not the viewer's.
+        media_type=media_type if media_type.startswith("image/") else "application/octet-stream",
+        headers={"Cache-Control": "public, max-age=31536000, immutable",
+                 "X-Content-Type-Options": "nosniff"},
+    )  # fmt: skip
 
 
 @router.get("/sessions/{session_id}/live")

@@ -17,6 +17,7 @@ import colorsys
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from markupsafe import Markup, escape
@@ -73,6 +74,10 @@ class Strip:
     logprobs: list[float]
     diverged_at: int | None = None  #: index into `ids` of the first token that diverged
     divergence: str = ""  #: what the mark says
+    #: The images whose placeholder ids start in the strip, in order: the sample's image
+    #: entry (`store.samples`) with `n` (its number in the sample), `lo` and `hi` (its run's
+    #: indices into `ids`).
+    images: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def of_span(cls, span: TurnSpan, title: str, divergence: tuple[int, str] | None) -> Strip:
@@ -82,10 +87,15 @@ class Strip:
         ids = np.asarray(sample.token_array()[lo:hi]).tolist()
         mask = list(sample.mask_bytes()[lo:hi])
         logprobs = np.asarray(sample.logprob_array()[lo:hi], np.float64).tolist()
+        images = tuple(
+            {**image, "n": n, "lo": image["start"] - lo, "hi": min(image["end"], hi) - lo}
+            for n, image in enumerate(sample.images)
+            if image["start"] is not None and lo <= image["start"] < hi
+        )
         if divergence is None:
-            return cls(title, ids, mask, logprobs)
+            return cls(title, ids, mask, logprobs, images=images)
         position, why = divergence
-        return cls(title, ids, mask, logprobs, position - lo, why)
+        return cls(title, ids, mask, logprobs, position - lo, why, images)
 
     @classmethod
     def of_tokens(cls, title: str, ids: bytes | Sequence[int],
@@ -128,6 +138,7 @@ def render(strip: Strip, texts: list[str] | None) -> Markup:
     """The strip as spans: text (or id), `title` for hover, `data-*` for tests and scripts."""
     parts: list[str] = []
     mark = strip.diverged_at
+    in_image = {i: image["n"] for image in strip.images for i in range(image["lo"], image["hi"])}
     position = 0
     for lo, hi in strip.shown():
         if lo > position:
@@ -141,20 +152,23 @@ def render(strip: Strip, texts: list[str] | None) -> Markup:
                 parts.append(f'<span class="divergence" title="{escape(strip.divergence)}">'
                              "</span>")  # fmt: skip
             extra = " diverged" if i == mark else ""
+            if i in in_image:  # an image's placeholder: the thumbnail beside says which
+                extra += " img"
+            data = f' data-image="{in_image[i]}"' if i in in_image else ""
             if not strip.mask[i]:
-                parts.append(f'<span class="t m0{extra}" data-id="{token}" title="{about} · id '
-                             f'{token} · prompt (loss mask 0)">{shown}</span>')  # fmt: skip
+                parts.append(f'<span class="t m0{extra}"{data} data-id="{token}" title="{about} · '
+                             f'id {token} · prompt (loss mask 0)">{shown}</span>')  # fmt: skip
                 continue
             logprob = strip.logprobs[i]
             if math.isnan(logprob):
                 parts.append(
-                    f'<span class="t m1 nolp{extra}" data-id="{token}" data-lp="nan" '
+                    f'<span class="t m1 nolp{extra}"{data} data-id="{token}" data-lp="nan" '
                     f'title="{about} · id {token} · no behaviour logprob">{shown}</span>'
                 )
                 continue
             red, green, blue = logprob_colour(logprob)
             parts.append(
-                f'<span class="t m1{extra}" data-id="{token}" data-lp="{logprob:.6g}" '
+                f'<span class="t m1{extra}"{data} data-id="{token}" data-lp="{logprob:.6g}" '
                 f'style="background:rgb({red},{green},{blue})" title="{about} · id {token} · '
                 f'logprob {logprob:.4f} (p {math.exp(logprob):.3f})">{shown}</span>'
             )

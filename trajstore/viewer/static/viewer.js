@@ -47,6 +47,18 @@ function follow(session) {
   source.addEventListener("finished", () => { source.close(); refresh(); });
 }
 
+// Hovering an image's thumbnail lights its placeholder ids in the strip beside it, and back.
+function lightImage(event, on) {
+  const item = event.target.closest && event.target.closest("[data-image]");
+  const row = item && item.closest(".strip-row");
+  if (!row) return;
+  row.querySelectorAll(`[data-image="${item.dataset.image}"]`)
+    .forEach((el) => el.classList.toggle("lit", on));
+}
+
+document.addEventListener("mouseover", (e) => lightImage(e, true));
+document.addEventListener("mouseout", (e) => lightImage(e, false));
+
 document.addEventListener("DOMContentLoaded", () => {
   watchTurns(document);
   const session = document.getElementById("session");
