@@ -9,7 +9,9 @@ few dozen turns at a time, so a reader holds the rebuilt session (what the log s
 piece of the answer, never the answer.
 
 Each turn also says which conversation of the session it belongs to (`lineage`, `branch`:
-`store.lineages`), and the document lists the lineages (role, parent, fork, divergences).
+`store.lineages`), and the document lists the lineages (role, parent, fork, divergences). Tools,
+which an agent re-sends with every request, are given once a page: a turn whose tools are those
+of the page's previous turn that gave them says which (`tools_from`) instead.
 """
 
 from __future__ import annotations
@@ -97,12 +99,21 @@ def session_pieces(
     head = orjson.dumps(facts)
     yield head[:-1] + b',"turns":['
     placed = branches_of(forest)
+    given: tuple[int, Any] | None = None  # the page's last turn that gave its tools in full
     for start in range(page.first, end, TURNS_PER_PIECE):
         views = []
         for index in range(start, min(start + TURNS_PER_PIECE, end)):
             view = record.turns[index].as_json(whole=index == page.whole)
             view["index"] = index
             view["lineage"], view["branch"] = placed.get(index, (None, None))
+            # An agent sends its tools with every request (opencode: tens of KB): given once a
+            # page, then `tools_from` names the turn of this page that gave them.
+            view["tools_from"] = None
+            if view["tools"] is not None:
+                if given is not None and view["tools"] == given[1]:
+                    view["tools"], view["tools_from"] = None, given[0]
+                else:
+                    given = (index, view["tools"])
             views.append(orjson.dumps(view))
         yield (b"," if start > page.first else b"") + b",".join(views)
     yield b"]}"

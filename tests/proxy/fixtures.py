@@ -201,12 +201,15 @@ def vllm_vlm() -> Iterator[tuple[str, Path]]:
 
 
 def made_whole(record: dict[str, Any]) -> dict[str, Any]:
-    """`GET /sessions/{id}`'s answer with every turn's whole `prompt_token_ids` and `messages`,
-    rebuilt from what each turn added to the turn it references (the contract in
-    `store.sessions`): a referenced turn always came first."""
+    """`GET /sessions/{id}`'s answer with every turn's whole `prompt_token_ids`, `messages` and
+    `tools`, rebuilt from what each turn added to the turn it references (the contract in
+    `store.sessions`; tools from the turn `tools_from` names): a referenced turn came first."""
     states: dict[str, list[int]] = {}  # request id -> its whole prompt + choice 0's tokens
     conversations: dict[str, list[Any] | None] = {}
+    tools = {turn["index"]: turn["tools"] for turn in record["turns"]}
     for turn in record["turns"]:
+        if turn.get("tools_from") is not None:  # the same tools as that turn's, given there
+            turn["tools"] = tools[turn["tools_from"]]
         prefix, added = turn["prompt_prefix"], turn["prompt_added"]
         prompt = added if prefix is None else states[prefix["request_id"]][: prefix["n_tokens"]]
         if prefix is not None:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pandas as pd
@@ -28,6 +29,10 @@ from trajstore.store.timeline import timeline
 
 TURNS = 3_000
 SIDE_EVERY = 50  # a title call every 50 calls: 60 one-turn side lineages
+
+
+def without_tools(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in t.items() if k not in ("tools", "tools_from")} for t in turns]
 
 
 @pytest.fixture
@@ -56,6 +61,9 @@ async def test_the_session_s_answer_gives_each_turn_once_with_its_lineage(
     # be 200 M ids), and one turn asked for whole comes whole.
     assert len(b"".join(pieces)) < TURNS * 2_000
     assert max(len(t["prompt_added"]) for t in turns[1:]) < 100
+    # The tools, sent with every main-loop request, are given once: the others name that turn.
+    assert turns[0]["tools"] is not None and turns[0]["tools_from"] is None
+    assert {t["tools_from"] for t in main[1:]} == {0} and all(t["tools"] is None for t in main[1:])
     last = turns[TURNS - 2]
     assert len(last["prompt_token_ids"]) == long.prompt_tokens[TURNS - 2] == last["n_prompt_tokens"]
     assert len(last["messages"]) == 2 + 2 * (long.main_turns - 1)
@@ -68,7 +76,8 @@ async def test_the_session_s_answer_gives_each_turn_once_with_its_lineage(
     )
     assert [t["index"] for t in paged["turns"]] == list(range(1000, 2000))
     assert paged["next"] == "next" and paged["n_turns"] == TURNS
-    assert paged["turns"] == turns[1000:2000]
+    assert without_tools(paged["turns"]) == without_tools(turns[1000:2000])
+    assert paged["turns"][0]["tools"] == turns[0]["tools"]  # a page gives them once too
 
 
 async def test_samples_export_and_timeline_of_a_long_session(
