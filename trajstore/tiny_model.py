@@ -182,7 +182,6 @@ def build_tiny_model(
     `max_positions` bounds the context vLLM may serve; the weights do not depend on it.
     """
     # Heavy imports stay here: `import proxy` must work in an environment without torch.
-    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if hidden_size <= 0 or hidden_size % (NUM_HEADS * MIN_HEAD_DIM) != 0:
@@ -212,20 +211,28 @@ def build_tiny_model(
         pad_token_id=SPECIAL_TOKENS.index(ENDOFTEXT),
         dtype="float32",
     )
-    # fork_rng restores the caller's global torch RNG afterwards: seeding here must not change
-    # the random stream of whatever test or program calls us. Parameters are created in torch's
-    # default dtype, which a caller may have changed; initialising in float32 keeps the file
-    # identical whatever it is.
+    save_quietly(seeded_model(Qwen2ForCausalLM, config, seed), out_dir)
+    return out_dir
+
+
+def seeded_model(model_class: Any, config: Any, seed: int) -> Any:
+    """`model_class(config)` with random weights that depend on `seed` alone.
+
+    fork_rng restores the caller's global torch RNG afterwards: seeding here must not change
+    the random stream of whatever test or program calls us. Parameters are created in torch's
+    default dtype, which a caller may have changed; initialising in float32 keeps the files
+    identical whatever it is.
+    """
+    import torch
+
     default_dtype = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         torch.set_default_dtype(torch.float32)
         try:
-            model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call,unused-ignore]
+            return model_class(config)
         finally:
             torch.set_default_dtype(default_dtype)
-    save_quietly(model, out_dir)
-    return out_dir
 
 
 def build_tokenizer(

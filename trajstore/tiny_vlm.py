@@ -34,6 +34,7 @@ from trajstore.tiny_model import (
     VOCAB_MULTIPLE,
     build_tokenizer,
     save_quietly,
+    seeded_model,
 )
 
 FAKE_IMAGE = "<fake_token_around_image>"
@@ -91,7 +92,6 @@ def build_tiny_vlm(
     It loads with transformers' `AutoProcessor` and `Idefics3ForConditionalGeneration` and
     serves with vLLM (`VllmServer`), images included. Returns `out_dir`.
     """
-    import torch
     from transformers import (
         Idefics3Config,
         Idefics3ForConditionalGeneration,
@@ -150,16 +150,7 @@ def build_tiny_vlm(
         tie_word_embeddings=True,
         pad_token_id=ids[ENDOFTEXT],
     )
-    # As in `tiny_model`: seeded without touching the caller's RNG, float32 whatever the default.
-    default_dtype = torch.get_default_dtype()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        torch.set_default_dtype(torch.float32)
-        try:
-            model = Idefics3ForConditionalGeneration(config)  # type: ignore[no-untyped-call,unused-ignore]
-        finally:
-            torch.set_default_dtype(default_dtype)
-    save_quietly(model, out_dir)
+    save_quietly(seeded_model(Idefics3ForConditionalGeneration, config, seed), out_dir)
     return out_dir
 
 
