@@ -99,6 +99,17 @@ async def read_rewarded_index(
     return version, entries
 
 
+def advantages_by_sample(entries: Sequence[IndexEntry]) -> dict[uuid.UUID, float]:
+    """Each rewarded entry's GRPO advantage over the whole selection, a session one member of
+    its group however many rows it gives (`trainer.advantages`)."""
+    advantages = group_advantages(
+        [float(e.reward or 0.0) for e in entries],
+        [e.group_id for e in entries],
+        [e.session_id for e in entries],
+    )
+    return {e.sample_id: a for e, a in zip(entries, advantages, strict=True)}
+
+
 def shuffled(entries: list[IndexEntry], *, seed: int, shuffle: bool) -> list[IndexEntry]:
     """The entries in the replay's order: by id, then a seeded permutation."""
     if not shuffle:
@@ -158,12 +169,7 @@ async def replay(
         if index is None:
             return
         version, entries = index
-        advantages = group_advantages(
-            [float(e.reward) for e in entries if e.reward is not None],
-            [e.group_id for e in entries],
-            [e.session_id for e in entries],
-        )
-        advantage_of = {e.sample_id: a for e, a in zip(entries, advantages, strict=True)}
+        advantage_of = advantages_by_sample(entries)
         ordered = shuffled(entries, seed=seed, shuffle=shuffle)
         plan = layout.plan([e.n_tokens for e in ordered], [e.sample_id for e in ordered])
 

@@ -63,10 +63,15 @@ from verl.utils.model import compute_position_id_with_mask
 
 from trajstore.store import EventStore
 from trajstore.store.connection import unavailable_as_store_error
-from trajstore.trainer.advantages import group_advantages
 from trajstore.trainer.arrays import read_arrays
 from trajstore.trainer.errors import BadSelection
-from trajstore.trainer.replay import IndexEntry, open_store, read_rewarded_index, shuffled
+from trajstore.trainer.replay import (
+    IndexEntry,
+    advantages_by_sample,
+    open_store,
+    read_rewarded_index,
+    shuffled,
+)
 from trajstore.trainer.selection import Selection
 
 #: The tensors of a batch, in the order they are laid out.
@@ -261,12 +266,7 @@ async def verl_batches(
         if index is None:
             return
         version, entries = index
-        advantages = group_advantages(
-            [float(e.reward or 0.0) for e in entries],
-            [e.group_id for e in entries],
-            [e.session_id for e in entries],
-        )
-        advantage_of = {e.sample_id: a for e, a in zip(entries, advantages, strict=True)}
+        advantage_of = advantages_by_sample(entries)
         ordered = shuffled(entries, seed=seed, shuffle=shuffle)
         size = batch_size or len(ordered)
         meta = {"trajstore": {"projection_version": version, "selection": selection.as_json()}}
