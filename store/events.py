@@ -24,6 +24,7 @@ import asyncpg
 import orjson
 
 from trajstore.store.errors import BadEvent, PayloadTooLarge
+from trajstore.store.payloads import Payload, dump
 from trajstore.store.tokens import (
     Logprobs,
     LogprobsLike,
@@ -151,6 +152,8 @@ def encode_payload(payload: Mapping[str, Any]) -> bytes:
 class NewEvent:
     """An event to append. Validated and encoded once, when it is made.
 
+    `payload` is a typed `store.payloads.Payload` (stored as `payloads.dump` makes it) or, for
+    the types not yet declared there, a mapping.
     `token_ids` and `logprobs` accept numpy arrays or Python lists; when both are given they must
     have the same length (logprob i belongs to token i).
     """
@@ -158,7 +161,7 @@ class NewEvent:
     type: EventType
     session_id: str | None = None
     run_id: str | None = None
-    payload: Mapping[str, Any] = field(default_factory=dict)
+    payload: Mapping[str, Any] | Payload = field(default_factory=dict)
     token_ids: TokenIdsLike | None = None
     logprobs: LogprobsLike | None = None
     event_id: uuid.UUID = field(default_factory=new_event_id)
@@ -177,6 +180,12 @@ class NewEvent:
             raise BadEvent(f"event_id must be a uuid.UUID, got {type(self.event_id).__name__}")
         _check_id("session_id", self.session_id)
         _check_id("run_id", self.run_id)
+        if isinstance(self.payload, Payload):
+            if self.payload.event_type != self.type:
+                raise BadEvent(
+                    f"a {type(self.payload).__name__} payload cannot go in a {self.type} event"
+                )
+            object.__setattr__(self, "payload", dump(self.payload))
         object.__setattr__(self, "payload_json", encode_payload(self.payload))
         tokens = None if self.token_ids is None else encode_token_ids(self.token_ids)
         logprobs = None if self.logprobs is None else encode_logprobs(self.logprobs)
