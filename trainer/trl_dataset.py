@@ -5,13 +5,16 @@ off-policy update needs besides (behaviour `logprobs`, `reward`, the session's `
 With `Selection(rollouts=True)` a session gives one row per conversation (main loop, sub-agents,
 side calls: `lineage`, `role`), and the rows of a session share its reward and its advantage
 (`trainer.advantages`: a session is one member of its group). TRL's online `rollout_func`
-returns one completion per generation, so the online path (`trainer.trl_rollout`) trains on the
-main lineage (`is_final`); the offline dataset is where all lineages go.
+returns one completion per generation, so the online path (`trajstore.rollout.trl_rollout`)
+trains on the main lineage (`is_final`); the offline dataset is where all lineages go.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -20,7 +23,6 @@ from trajstore.store.connection import unavailable_as_store_error
 from trajstore.store.tokens import decode_logprobs, decode_token_ids
 from trajstore.trainer.advantages import group_advantages
 from trajstore.trainer.selection import Selection
-from trajstore.trainer.trl_rollout import run_sync
 
 if TYPE_CHECKING:
     from datasets import Dataset  # type: ignore[import-untyped,unused-ignore]
@@ -114,3 +116,22 @@ def samples_dataset(database_url: str, selection: Selection | None = None) -> Da
     from datasets import Dataset
 
     return Dataset(run_sync(lambda: read_samples_table(database_url, selection)))
+
+
+T = TypeVar("T")
+
+
+def run_sync(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run a coroutine to completion from synchronous code.
+
+    In a thread with no running event loop (TRL's training loop), in a new loop here. Inside a
+    running loop (a notebook), in a new loop on a worker thread, while this thread waits: the
+    proxy must then not be served from that same loop (an async test awaits
+    `TrajstoreRollout.rollout` instead, or trains with `asyncio.to_thread`).
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from trajstore.live_agents import AgentPool, LiveConfig, reward
+from trajstore.rollout.live_agents import AgentPool, LiveConfig, reward
 from trajstore.store import EventStore
 from trajstore.trainer.checkpoint import (
     TrainingState,

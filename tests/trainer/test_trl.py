@@ -1,5 +1,5 @@
-"""TRL on trajstore's samples (`trainer.trl_rollout`): the rollout_func against a real vLLM
-through the proxy, one GRPOTrainer step on the tiny model, and recorded samples as a Dataset.
+"""TRL on trajstore's samples (`trajstore.rollout.trl_rollout`): the rollout_func against a real
+vLLM through the proxy, one GRPOTrainer step on the tiny model, and recorded samples as a Dataset.
 
 The vLLM tests share the session's real vLLM (CPU build) on the generated tiny model; TRL trains
 the same checkpoint, found through the engine's `/v1/models`.
@@ -18,6 +18,13 @@ from openai import AsyncOpenAI
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory
 from tests.trainer.rows import branched_session, insert_samples, rollout_rows, sample_row
+from trajstore.rollout.trl_rollout import (
+    Agent,
+    RolloutFailed,
+    TrajstoreRollout,
+    recorded_reward,
+    trl_fields,
+)
 from trajstore.store import EventStore
 from trajstore.store.projection import Projector
 from trajstore.store.samples import build_samples, final_branch
@@ -25,13 +32,6 @@ from trajstore.store.sessions import rebuild_session
 from trajstore.store.tokens import decode_logprobs, decode_token_ids
 from trajstore.trainer.selection import Selection
 from trajstore.trainer.trl_dataset import DATASET_COLUMNS, samples_dataset
-from trajstore.trainer.trl_rollout import (
-    Agent,
-    RolloutFailed,
-    TrajstoreRollout,
-    recorded_reward,
-    trl_fields,
-)
 
 EOS = 2  # <|im_end|>: a bias makes the random model end its turns, as a real one does
 Turn = tuple[list[int], list[int], list[float]]  # what the engine returned: prompt, ids, logprobs

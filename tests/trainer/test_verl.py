@@ -27,6 +27,13 @@ from verl.protocol import DataProto
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory
 from tests.trainer.rows import branched_session, insert_samples, rollout_rows, sample_row
+from trajstore.rollout.verl_loop import (
+    AgentFailed,
+    TrajstoreSettings,
+    output_fields,
+    read_recorded_session,
+    run_episode,
+)
 from trajstore.store import EventStore
 from trajstore.store.projection import Projector
 from trajstore.store.samples import build_samples, final_branch
@@ -35,13 +42,6 @@ from trajstore.tiny_model import build_tiny_model
 from trajstore.trainer.errors import BadSelection
 from trajstore.trainer.selection import Selection
 from trajstore.trainer.verl_batch import TENSOR_FIELDS, split_sample, verl_batch, verl_batches
-from trajstore.trainer.verl_loop import (
-    AgentFailed,
-    TrajstoreSettings,
-    output_fields,
-    read_recorded_session,
-    run_episode,
-)
 
 pytestmark = pytest.mark.slow  # imports verl (~10 s) and generates the tiny model
 
@@ -75,7 +75,7 @@ def verl_worker(tiny_model: Path, tmp_path: Path, options: dict[str, Any]) -> An
     loops = tmp_path / "agent_loops.yaml"
     entry = {
         "name": "trajstore",
-        "_target_": "trajstore.trainer.verl_loop.TrajstoreAgentLoop",
+        "_target_": "trajstore.rollout.verl_loop.TrajstoreAgentLoop",
         **options,
     }
     loops.write_text(yaml.safe_dump([entry]))

@@ -31,7 +31,7 @@ What TRL gets, per prompt, in the shape its `rollout_func` contract names:
 - `trajstore_reward`, `trajstore_session_id`: extra fields TRL forwards to reward functions;
   `recorded_reward` is the reward function that hands TRL the agent's recorded reward.
 
-Offline (`trainer.trl_dataset.samples_dataset`): the samples of a `Selection` as a
+Offline (`trajstore.trainer.trl_dataset.samples_dataset`): the samples of a `Selection` as a
 `datasets.Dataset`, one row per sample, with `input_ids` and `completion_mask` as TRL's
 `SFTTrainer` reads pre-tokenised data; every lineage of a session there, when asked.
 
@@ -42,14 +42,13 @@ TRL, transformers and torch are never imported here: the trainer is passed in an
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import hashlib
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import httpx
 import numpy as np
@@ -59,6 +58,7 @@ from trajstore.store.connection import unavailable_as_store_error
 from trajstore.store.samples import Sample, build_samples, final_branch
 from trajstore.store.sessions import rebuild_session
 from trajstore.trainer.errors import TrainerError
+from trajstore.trainer.trl_dataset import run_sync
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +66,6 @@ log = logging.getLogger(__name__)
 #: a string or a list of messages), it does its work through the proxy and returns its reward
 #: (None: no reward; TRL then treats the completion as unscorable).
 Agent = Callable[[str, str, Any], Awaitable[float | None]]
-
-T = TypeVar("T")
-
 
 class RolloutFailed(TrainerError):
     """An agent failed, or a session left nothing to train on; the message says which."""
@@ -125,22 +122,6 @@ def prompt_key(prompt: Any) -> str:
     """A stable short hash of a prompt (a string or a list of messages): its default task id."""
     text = json.dumps(prompt, sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def run_sync(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run a coroutine to completion from synchronous code.
-
-    In a thread with no running event loop (TRL's training loop), in a new loop here. Inside a
-    running loop (a notebook), in a new loop on a worker thread, while this thread waits: the
-    proxy must then not be served from that same loop (an async test awaits
-    `TrajstoreRollout.rollout` instead, or trains with `asyncio.to_thread`).
-    """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(make())
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(lambda: asyncio.run(make())).result()
 
 
 @dataclass
