@@ -1,79 +1,17 @@
-"""`trajstore proxy`: run the recording proxy in front of one or more engines."""
+"""The proxy's commands of the `trajstore` command line: `proxy` and `relay` (`commands`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import click
 
-from trajstore.store.embedded import port_in_use, role_database_url
+from trajstore.proxy.options import engine_urls, proxy_options, proxy_settings
+from trajstore.store.embedded import role_database_url
 from trajstore.store.roles import RECORDER_ROLE
-from trajstore.store.settings import StoreSettings
-
-if TYPE_CHECKING:
-    from trajstore.proxy.settings import ProxySettings
-
-
-def free_port_from(host: str, port: int, attempts: int = 50) -> int:
-    """The first port from `port` on that nobody listens on."""
-    for candidate in range(port, port + attempts):
-        if not port_in_use(host, candidate):
-            return candidate
-    raise click.ClickException(f"no free port in {port}..{port + attempts - 1} on {host}")
-
-
-def engine_urls(engines: tuple[str, ...] | list[str]) -> list[str]:
-    """The engine URLs of repeated --engine options, each of which may be comma-separated."""
-    return [u.strip() for e in engines for u in e.split(",") if u.strip()]
-
-
-def proxy_settings(
-    engines: list[str],
-    host: str,
-    port: int,
-    next_free_port: bool,
-    public_url: str | None,
-    policy_version: str,
-) -> ProxySettings:
-    """The proxy's settings from its command-line options (and TRAJSTORE_* for the rest)."""
-    from trajstore.proxy.settings import ProxySettings
-
-    if port_in_use(host, port):
-        if not next_free_port:
-            raise click.ClickException(
-                f"port {port} on {host} is in use; choose another with --port, "
-                "or pass --next-free-port"
-            )
-        port = free_port_from(host, port)
-    return ProxySettings(
-        engines=engines, host=host, port=port, public_url=public_url, policy_version=policy_version
-    )
-
-
-def store_settings_of(ctx: click.Context) -> StoreSettings:
-    """The store settings the `trajstore` group made from its options."""
-    settings: StoreSettings | None = (ctx.find_object(dict) or {}).get("settings")
-    return settings or StoreSettings()
+from trajstore.store.settings import store_settings_of
 
 
 @click.command("proxy")
-@click.option(
-    "--engine", "engines", multiple=True, envvar="TRAJSTORE_ENGINES", show_envvar=True,
-    help="Base URL of an engine (vLLM OpenAI server); repeat for several. Env: comma-separated.",
-)  # fmt: skip
-@click.option("--host", envvar="TRAJSTORE_HOST", show_envvar=True, default="127.0.0.1",
-              show_default=True, help="Address to listen on.")  # fmt: skip
-@click.option("--port", envvar="TRAJSTORE_PORT", show_envvar=True, default=8400, type=int,
-              show_default=True, help="Port to listen on.")  # fmt: skip
-@click.option("--next-free-port", is_flag=True,
-              help="If the port is taken, use the next free one instead of failing.")  # fmt: skip
-@click.option("--public-url", envvar="TRAJSTORE_PUBLIC_URL", show_envvar=True,
-              help="URL agents reach the proxy at [default: http://HOST:PORT].")  # fmt: skip
-@click.option("--policy-version", envvar="TRAJSTORE_POLICY_VERSION", show_envvar=True,
-              default="0", show_default=True, help="Policy version of the engines.")  # fmt: skip
-@click.option("--relays-only", is_flag=True,
-              help="Start with no --engine: serve only engines whose relays dial in "
-                   "(trajstore relay).")  # fmt: skip
+@proxy_options
 @click.pass_context
 def proxy(
     ctx: click.Context,
@@ -149,3 +87,7 @@ def relay(
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         pass
+
+
+#: What the root of the command line (`trajstore.cli`) adds from the proxy.
+commands: list[click.Command] = [proxy, relay]

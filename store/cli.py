@@ -1,17 +1,13 @@
 """The store's commands of the `trajstore` command line (`db`, `migrate`, `project`, `sql`, ...).
 
-The command itself is `trajstore.cli.main`: this group, plus the proxy's, the trainer's and the
-local stack's commands, which it loads on first use (a store-only install has neither torch nor
-vLLM).
+The command itself is `trajstore.cli.main`, which adds these (`commands`) and the other parts'.
+Each reads the store settings the root made from its options (`store_settings_of`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import logging
-import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -21,93 +17,10 @@ from trajstore.store.embedded import EmbeddedPostgres, database_url, role_databa
 from trajstore.store.errors import StoreError
 from trajstore.store.eventstore import EventStore
 from trajstore.store.roles import PROJECTOR_ROLE, Role
-from trajstore.store.settings import StoreSettings
+from trajstore.store.settings import store_settings_of
 
 
-class LazyGroup(click.Group):
-    """A click group whose commands named in `lazy` ("module:attribute") are imported on first
-    use, so `--help` stays fast and an optional part that is missing says so."""
-
-    def __init__(self, *args: Any, lazy: Mapping[str, str] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.lazy = dict(lazy or {})
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*super().list_commands(ctx), *self.lazy])
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name in self.lazy:
-            module, _, attribute = self.lazy[name].partition(":")
-            try:
-                command: click.Command = getattr(importlib.import_module(module), attribute)
-            except ImportError as exc:
-                raise click.ClickException(
-                    f"`{ctx.command_path} {name}` needs an optional part that is not installed "
-                    f"({exc})"
-                ) from exc
-            return command
-        return super().get_command(ctx, name)
-
-
-class TrajstoreGroup(LazyGroup):
-    """The `trajstore` group: commands of optional packages load lazily, and store errors
-    become one clear line instead of a traceback."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except StoreError as exc:
-            raise click.ClickException(str(exc)) from exc
-
-
-def _settings(ctx: click.Context) -> StoreSettings:
-    settings: StoreSettings = ctx.ensure_object(dict)["settings"]
-    return settings
-
-
-@click.group(cls=TrajstoreGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--database-url",
-    envvar="TRAJSTORE_DATABASE_URL",
-    show_envvar=True,
-    help="PostgreSQL URL. Unset: a private server in the data directory.",
-)
-@click.option(
-    "--data-dir",
-    envvar="TRAJSTORE_DATA_DIR",
-    show_envvar=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Directory of the embedded PostgreSQL.",
-)
-@click.option(
-    "--embedded-port",
-    envvar="TRAJSTORE_EMBEDDED_PORT",
-    show_envvar=True,
-    type=int,
-    help="TCP port of the embedded PostgreSQL on 127.0.0.1 [default: 54329].",
-)
-@click.option("-v", "--verbose", is_flag=True, help="Log what happens.")
-@click.pass_context
-def main(
-    ctx: click.Context,
-    database_url: str | None,
-    data_dir: Path | None,
-    embedded_port: int | None,
-    verbose: bool,
-) -> None:
-    """trajstore: record what agents say to a model, token for token, and replay it."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr)
-    overrides: dict[str, Any] = {}
-    if database_url:
-        overrides["database_url"] = database_url
-    if data_dir:
-        overrides["data_dir"] = data_dir
-    if embedded_port:
-        overrides["embedded_port"] = embedded_port
-    ctx.ensure_object(dict)["settings"] = StoreSettings(**overrides)
-
-
-@main.group()
+@click.group()
 def db() -> None:
     """The embedded PostgreSQL server (used when no database URL is set)."""
 
@@ -116,7 +29,7 @@ def db() -> None:
 @click.pass_context
 def db_start(ctx: click.Context) -> None:
     """Start the private server (creating it the first time); harmless when it runs."""
-    server = EmbeddedPostgres.from_settings(_settings(ctx))
+    server = EmbeddedPostgres.from_settings(store_settings_of(ctx))
     url = server.start()
     state = "already running" if server.reused else "started"
     click.echo(f"embedded PostgreSQL {state} in {server.data_dir} (port {server.port})")
@@ -127,7 +40,7 @@ def db_start(ctx: click.Context) -> None:
 @click.pass_context
 def db_stop(ctx: click.Context) -> None:
     """Stop the private server."""
-    server = EmbeddedPostgres.from_settings(_settings(ctx))
+    server = EmbeddedPostgres.from_settings(store_settings_of(ctx))
     click.echo("stopped" if server.stop() else "not running")
 
 
@@ -135,7 +48,7 @@ def db_stop(ctx: click.Context) -> None:
 @click.pass_context
 def db_status(ctx: click.Context) -> None:
     """Say whether the private server runs; exit 3 when it does not (like pg_ctl)."""
-    status = EmbeddedPostgres.from_settings(_settings(ctx)).status()
+    status = EmbeddedPostgres.from_settings(store_settings_of(ctx)).status()
     if status.running:
         click.echo(f"running (pid {status.pid}) in {status.data_dir}\n{status.url}")
         return
@@ -149,7 +62,7 @@ def db_status(ctx: click.Context) -> None:
 @click.pass_context
 def db_url(ctx: click.Context, tcp: bool) -> None:
     """Print the database URL (the configured one, or the embedded server's)."""
-    settings = _settings(ctx)
+    settings = store_settings_of(ctx)
     if settings.database_url:
         click.echo(settings.database_url)
         return
@@ -157,7 +70,7 @@ def db_url(ctx: click.Context, tcp: bool) -> None:
     click.echo(server.tcp_url() if tcp else server.url())
 
 
-@main.command()
+@click.command()
 @click.option("--revision", default="head", show_default=True, help="Target revision.")
 @click.option(
     "--recorder-password", envvar="TRAJSTORE_RECORDER_DB_PASSWORD", show_envvar=True,
@@ -181,7 +94,7 @@ def migrate(
 
     from trajstore.store import migrations, roles
 
-    url = database_url(_settings(ctx))
+    url = database_url(store_settings_of(ctx))
     migrations.upgrade(url, revision)
     click.echo(f"migrated to {revision}")
     if revision == "head":
@@ -195,7 +108,7 @@ def migrate(
         if password:
             asyncio.run(roles.set_password(url, role, password))
             click.echo(f"set the password of {role}")
-    settings = _settings(ctx)
+    settings = store_settings_of(ctx)
     url_files = {
         roles.RECORDER_ROLE: settings.recorder_database_url_file,
         roles.PROJECTOR_ROLE: settings.projector_database_url_file,
@@ -206,7 +119,7 @@ def migrate(
             click.echo(f"wrote the URL of {role} to {path}")
 
 
-@main.command()
+@click.command()
 @click.option("--once", is_flag=True, help="Project what is there, then exit.")
 @click.option(
     "--rebuild",
@@ -239,7 +152,7 @@ def project(ctx: click.Context, once: bool, rebuild: bool, poll_interval: float)
         _run_with_store(ctx, run, PROJECTOR_ROLE)
 
 
-@main.command()
+@click.command()
 @click.argument("query", required=False)
 @click.option("--max-width", default=60, show_default=True, help="Cut longer cells to this.")
 @click.pass_context
@@ -248,7 +161,7 @@ def sql(ctx: click.Context, query: str | None, max_width: int) -> None:
 
     The views `trajectories`, `turns` and the `samples` table are documented in the README.
     """
-    url = database_url(_settings(ctx))
+    url = database_url(store_settings_of(ctx))
     if query is None:
         _exec_psql(url)
     from trajstore.store.sql import print_query
@@ -259,7 +172,7 @@ def sql(ctx: click.Context, query: str | None, max_width: int) -> None:
     _run_with_store(ctx, run)
 
 
-@main.command()
+@click.command()
 @click.option("--run", "runs", multiple=True, help="Only this run (repeatable). Default: all.")
 @click.option(
     "--status",
@@ -324,7 +237,7 @@ def export(
     _run_with_store(ctx, run)
 
 
-@main.command()
+@click.command()
 @click.option(
     "--days-ahead", default=31, show_default=True, envvar="TRAJSTORE_PARTITION_DAYS_AHEAD",
     show_envvar=True, help="Create the partitions of today and this many days more.",
@@ -355,7 +268,7 @@ def partitions(ctx: click.Context, days_ahead: int, every: float | None) -> None
     _run_with_store(ctx, run)
 
 
-@main.group(invoke_without_command=True)
+@click.group(invoke_without_command=True)
 @click.option(
     "--before", type=click.DateTime(["%Y-%m-%d"]),
     help="Archive the daily partitions wholly before this UTC date (YYYY-MM-DD).",
@@ -421,7 +334,7 @@ def _run_with_store(
     as `role` when given (`store.roles`), else as the configured user."""
     import asyncio
 
-    settings = _settings(ctx)
+    settings = store_settings_of(ctx)
     url = database_url(settings) if role is None else role_database_url(role, settings)
 
     async def run() -> None:
@@ -462,3 +375,7 @@ def _exec_psql(url: str) -> NoReturn:
                 f'psql is not installed ({exc}); give a query: trajstore sql "SELECT ..."'
             ) from exc
     os.execv(psql, [psql, url])
+
+
+#: What the root of the command line (`trajstore.cli`) adds from the store.
+commands: list[click.Command] = [db, migrate, project, sql, export, partitions, archive]

@@ -332,7 +332,8 @@ def _unlocated(sample: Sample, turn: TurnRecord, n_images: int) -> str:
 def final_branch(samples: Sequence[Sample]) -> Sample | None:
     """The session's default sample (`is_final`: the main lineage's last branch, which holds
     the episode's outcome), or None when the session made no sample: what a trainer that takes
-    one sequence per episode trains on (`trajstore.rollout.trl_rollout`, `trajstore.rollout.verl_loop`)."""
+    one sequence per episode trains on (`trajstore.rollout.trl_rollout`,
+    `trajstore.rollout.verl_loop`)."""
     return next((s for s in samples if s.is_final), None)
 
 

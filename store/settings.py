@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 from pydantic import Field
@@ -64,3 +65,10 @@ class StoreSettings(BaseSettings):
         default=None,
         description="PostgreSQL server binaries for the embedded server (default: found).",
     )
+
+
+def store_settings_of(ctx: Any) -> StoreSettings:
+    """The store settings the `trajstore` group made from its options (a click context's
+    object), else those of the environment: what every command that opens the store reads."""
+    settings: StoreSettings | None = (ctx.find_object(dict) or {}).get("settings")
+    return settings or StoreSettings()

@@ -1,9 +1,11 @@
 """The house: which part may import which, no import cycle, and one installed name.
 
-store/ imports none of the others; proxy/ and trainer/ import only store/ (the trainer never
-talks to an engine, the proxy knows nothing of torch); the room above them (trajstore/: the
-command line, the local stack, the demo, the tiny model) may import them all. Imports inside
-functions count too: a lazy import is still an arrow.
+store/ imports none of the others; proxy/, trainer/ and the viewer (trajstore/viewer/) import
+only store/ (the trainer never talks to an engine, the proxy knows nothing of torch, the viewer
+reads the store); the room above them (trajstore/: the command line, the local stack, the demo,
+the rollouts, the client, the tiny model) may import them all. Each part's `cli` module is its
+own: only the part itself and the root of the command line (trajstore/cli.py) import it. Imports
+inside functions count too: a lazy import is still an arrow.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("store", "proxy", "trainer")
+#: Parts that live inside the room's folder (trajstore/<name>), not at the top level.
+INNER_PARTS = ("viewer",)
 
 
 def modules() -> dict[str, Path]:
@@ -25,7 +29,7 @@ def modules() -> dict[str, Path]:
         for path in (ROOT / part).rglob("*.py"):
             name = ".".join(("trajstore", *path.relative_to(ROOT).with_suffix("").parts))
             found[name.removesuffix(".__init__")] = path
-    # The room's own modules and packages (the viewer); its links to the parts are above.
+    # The room's own modules and the inner parts (the viewer); its links to the parts are above.
     for path in (ROOT / "trajstore").rglob("*.py"):
         relative = path.relative_to(ROOT / "trajstore")
         if relative.parts[0] in PARTS:
@@ -53,9 +57,9 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def part_of(module: str) -> str:
-    """'store', 'proxy' or 'trainer', or 'room' for trajstore/ itself."""
+    """'store', 'proxy', 'trainer' or 'viewer', or 'room' for the rest of trajstore/."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in PARTS else "room"
+    return parts[1] if len(parts) > 1 and parts[1] in (*PARTS, *INNER_PARTS) else "room"
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -101,7 +105,12 @@ def test_every_module_is_found_under_the_installed_name() -> None:
 
 
 def test_arrows_point_toward_the_store() -> None:
-    allowed = {"store": {"store"}, "proxy": {"proxy", "store"}, "trainer": {"trainer", "store"}}
+    allowed = {
+        "store": {"store"},
+        "proxy": {"proxy", "store"},
+        "trainer": {"trainer", "store"},
+        "viewer": {"viewer", "store"},
+    }
     wrong = [
         f"{module} imports {other}"
         for module, imported in import_graph().items()
@@ -109,6 +118,39 @@ def test_arrows_point_toward_the_store() -> None:
         if part_of(module) in allowed and part_of(other) not in allowed[part_of(module)]
     ]
     assert wrong == []
+
+
+def test_the_viewer_is_a_part() -> None:
+    assert part_of("trajstore.viewer.app") == "viewer"
+    assert part_of("trajstore.demo") == "room"
+    assert "trajstore.viewer.app" in modules()
+
+
+def test_each_part_owns_its_command_line() -> None:
+    # A part's `cli` module holds its commands, which the root adds (trajstore/cli.py); a helper
+    # another module needs lives in a proper module of that part, not in its `cli`.
+    wrong = [
+        f"{module} imports {other}"
+        for module, imported in import_graph().items()
+        for other in imported
+        if other.endswith(".cli")
+        and module != "trajstore.cli"
+        and part_of(module) != part_of(other)
+    ]
+    assert wrong == []
+
+
+def test_each_part_exports_its_commands() -> None:
+    import click
+
+    from trajstore.cli import main
+
+    for part in ("store", "proxy", "trainer", "viewer"):
+        module = __import__(f"trajstore.{part}.cli", fromlist=["commands"])
+        assert module.commands and all(isinstance(c, click.Command) for c in module.commands)
+        ctx = click.Context(main)
+        for command in module.commands:
+            assert main.get_command(ctx, command.name) is command, (part, command.name)
 
 
 def test_no_import_cycle() -> None:

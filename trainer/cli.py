@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from trajstore.store.cli import LazyGroup
+from trajstore.store.lazy_group import LazyGroup
 
 
 @click.group(
@@ -39,3 +39,7 @@ def replay(
     from trajstore.trainer.ledger import replay_step_command
 
     replay_step_command(ctx, training_run, step, out)
+
+
+#: What the root of the command line (`trajstore.cli`) adds from the trainer.
+commands: list[click.Command] = [replay]

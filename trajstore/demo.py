@@ -35,9 +35,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from trajstore.proxy.cli import proxy_settings, store_settings_of
+from trajstore.proxy.options import proxy_settings
 from trajstore.stack import backends, serving, viewer_settings
 from trajstore.store.eventstore import EventStore
+from trajstore.store.settings import store_settings_of
 from trajstore.store.sql import print_query
 from trajstore.tiny_model import arithmetic_tool
 

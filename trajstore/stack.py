@@ -32,11 +32,10 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 import click
 
-from trajstore.proxy.cli import engine_urls, free_port_from, proxy_settings, store_settings_of
-from trajstore.proxy.cli import proxy as proxy_command
+from trajstore.proxy.options import engine_urls, free_port_from, proxy_options, proxy_settings
 from trajstore.proxy.settings import ProxySettings
 from trajstore.store.embedded import EmbeddedPostgres
-from trajstore.store.settings import StoreSettings
+from trajstore.store.settings import StoreSettings, store_settings_of
 from trajstore.vllm_server import VllmServer
 
 if TYPE_CHECKING:
@@ -214,7 +213,10 @@ def backends(
             embedded.stop()
 
 
+# The proxy's own options (engines, host, port, --next-free-port, public URL, policy version), so
+# `up` and `proxy` cannot drift apart; the other proxy settings come from TRAJSTORE_* variables.
 @click.command("up")
+@proxy_options
 @click.option("--poll-interval", default=1.0, show_default=True,
               help="Seconds between the projector's polls (NOTIFY wakes it sooner).")  # fmt: skip
 @click.option("--ui-port", envvar="TRAJSTORE_UI_PORT", show_envvar=True, default=8500,
@@ -404,7 +406,3 @@ async def _serve_until_signal(
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
 
-
-# The proxy's own options (engines, host, port, --next-free-port, public URL, policy version), so
-# `up` and `proxy` cannot drift apart; the other proxy settings come from TRAJSTORE_* variables.
-up.params[:0] = proxy_command.params

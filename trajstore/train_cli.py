@@ -46,7 +46,7 @@ async def live_services(
     database_url: str, base_model: Path, work_dir: Path, log_file: Path | None = None
 ) -> AsyncIterator[LiveServices]:
     """Serve `base_model` (untied) on a dev-mode vLLM, and a proxy + projector on `database_url`."""
-    from trajstore.proxy.cli import free_port_from, proxy_settings
+    from trajstore.proxy.options import free_port_from, proxy_settings
     from trajstore.publish import untied_copy
     from trajstore.stack import serving
     from trajstore.vllm_server import VllmServer
@@ -141,8 +141,8 @@ def train(
 ) -> None:  # fmt: skip
     """Agents through the proxy, trained on live as they finish; each policy published."""
     from trajstore.live import LiveConfig, describe_step
-    from trajstore.proxy.cli import store_settings_of
     from trajstore.stack import backends, cached_tiny_model
+    from trajstore.store.settings import store_settings_of
     from trajstore.trainer.learner import LearnerConfig
 
     if batch_size % group_size:

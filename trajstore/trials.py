@@ -541,8 +541,9 @@ def run(
     if proxy_url:
         trials = asyncio.run(run_against(console, proxy_url, api_key, **kwargs))
     else:
-        from trajstore.proxy.cli import engine_urls, proxy_settings, store_settings_of
+        from trajstore.proxy.options import engine_urls, proxy_settings
         from trajstore.stack import backends
+        from trajstore.store.settings import store_settings_of
 
         urls = engine_urls(engines)
         settings = proxy_settings(urls, "127.0.0.1", 8400, True, None, "0")

@@ -58,3 +58,7 @@ def ui(ctx: click.Context, host: str, port: int, next_free_port: bool, tokenizer
     click.echo(f"viewer: {url_of(settings)}/ (read-only; Ctrl-C stops)")
     options: dict[str, Any] = {"log_level": "warning", "access_log": False}
     uvicorn.run(create_app(url, settings), host=host, port=port, **options)
+
+
+#: What the root of the command line (`trajstore.cli`) adds from the viewer.
+commands: list[click.Command] = [ui]
