@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from rich.console import Console
 
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory
+from trajstore.client import AsyncClient
 from trajstore.store import EventStore
 from trajstore.tasks import (
     Command,
@@ -28,7 +28,7 @@ from trajstore.tasks import (
     parse_task_toml,
     read_reward,
 )
-from trajstore.trials import SessionAPI, TrialLoop, print_summary, run_trials
+from trajstore.trials import TrialLoop, print_summary, run_trials
 
 # -- task.toml -----------------------------------------------------------------------------------
 
@@ -286,9 +286,8 @@ async def test_every_attempt_is_a_session_with_its_status_reward_and_group(
     monkeypatch.setenv("TRAJSTORE_API_KEY", "admin-secret")  # must not reach the agent
     proxy = await start_proxy([engine.url], api_key="admin-secret")
     tasks = load_tasks(write_suite(tmp_path / "tasks"))
-    async with httpx.AsyncClient(timeout=30) as http:
-        api = SessionAPI(http, proxy.url, "admin-secret")
-        loop = TrialLoop(api, toy_agent, "run-tasks", LocalRunner(kill_grace_s=0.5))
+    async with AsyncClient(proxy.url, api_key="admin-secret", timeout=30) as client:
+        loop = TrialLoop(client, toy_agent, "run-tasks", LocalRunner(kill_grace_s=0.5))
         trials = await run_trials(
             tasks, loop, attempts=2, concurrency=2, jobs_dir=tmp_path / "jobs"
         )

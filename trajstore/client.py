@@ -114,11 +114,14 @@ class _Calls:
 
     def __init__(self, proxy_url: str, api_key: str | None) -> None:
         self.url = proxy_url.rstrip("/")
-        self.admin = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.admin_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def create(self, run_id: str, **fields: Any) -> httpx.Request:
         body = {"run_id": run_id, **{k: v for k, v in fields.items() if v is not None}}
-        return httpx.Request("POST", f"{self.url}/sessions", json=body, headers=self.admin)
+        return httpx.Request("POST", f"{self.url}/sessions", json=body, headers=self.admin_headers)
+
+    def admin(self, method: str, path: str, body: Any = None) -> httpx.Request:
+        return httpx.Request(method, f"{self.url}{path}", json=body, headers=self.admin_headers)
 
     def on_session(
         self, info: SessionInfo, method: str, path: str, body: Any = None, **params: Any
@@ -369,6 +372,12 @@ class AsyncClient:
             if self._store is None:
                 self._store = await EventStore.open(_needed(self.database_url), max_size=2)
             return self._store
+
+    async def set_policy_version(self, version: str, engine: str | None = None) -> None:
+        """`POST /admin/engines/policy-version`: the version the engines (or `engine`) now serve,
+        recorded with every request from here on (needs the admin key when the proxy has one)."""
+        body = {"version": version, **({"engine": engine} if engine else {})}
+        await self.send(self.calls.admin("POST", "/admin/engines/policy-version", body))
 
     async def create_session(
         self,

@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import click
-import httpx
 from openai import APIError, AsyncOpenAI
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from trajstore.client import AsyncClient
 from trajstore.proxy.options import proxy_settings
 from trajstore.stack import backends, serving, viewer_settings
 from trajstore.store.eventstore import EventStore
@@ -126,8 +126,7 @@ class AgentResult:
 
 
 async def run_agent(
-    http: httpx.AsyncClient,
-    proxy_url: str,
+    client: AsyncClient,
     run_id: str,
     task: Task,
     *,
@@ -137,69 +136,66 @@ async def run_agent(
     advance: Callable[[], None],
 ) -> AgentResult:
     """One episode: a session, up to `turns` model calls with tools, a reward, the finish."""
-    body = {"run_id": run_id, "task_id": task.task_id, "group_id": task.task_id,
-            "metadata": {"tags": ["demo"]}}  # fmt: skip
-    created = (await http.post(f"{proxy_url}/sessions", json=body)).raise_for_status().json()
-    result = AgentResult(task, created["session_id"])
-    agent = AsyncOpenAI(base_url=created["base_url"], api_key=created["api_key"], max_retries=0)
+    async with client.session(run_id, task_id=task.task_id, group_id=task.task_id,
+                              metadata={"tags": ["demo"]}) as session:  # fmt: skip
+        result = AgentResult(task, session.session_id)
+        agent = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        try:
+            answer = await _converse(agent, task, result, model=model, turns=turns,
+                                     max_tokens=max_tokens, advance=advance)  # fmt: skip
+        except APIError as exc:
+            result.status = "error"
+            await session.finish("error", reason=f"{type(exc).__name__}: {exc}")
+            return result
+        finally:
+            for _ in range(turns - result.turns):
+                advance()  # the bar counts turns; an agent that stopped early gives the rest back
+            await agent.close()
+        result.reward, result.parts = reward(task, result.valid_tool_calls > 0, answer)
+        await session.reward(result.reward, components=result.parts, source="trajstore.demo")
+    return result
+
+
+async def _converse(
+    agent: AsyncOpenAI,
+    task: Task,
+    result: AgentResult,
+    *,
+    model: str,
+    turns: int,
+    max_tokens: int,
+    advance: Callable[[], None],
+) -> str:
+    """The agent's side of the episode: model calls and tool calls; its last answer."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": task.question},
     ]
     answer = ""
-    try:
-        for turn in range(turns):
-            # First turn: this agent always computes with a tool, so it names the tool to call.
-            choice: Any = (
-                {"type": "function", "function": {"name": task.op}} if turn == 0 else "auto"
-            )
-            reply = await agent.chat.completions.create(
-                model=model, messages=messages, tools=TOOLS, tool_choice=choice,  # type: ignore[arg-type]
-                max_tokens=max_tokens, temperature=1.0,
-            )  # fmt: skip
-            result.turns += 1
-            advance()
-            message = reply.choices[0].message
-            messages.append(message.model_dump(exclude_none=True))  # the history, as sent back
-            if message.tool_calls:
-                for call in message.tool_calls:
-                    name, arguments = call.function.name, call.function.arguments  # type: ignore[union-attr]
-                    content, valid = run_tool(name, arguments)
-                    result.tool_calls += 1
-                    result.valid_tool_calls += valid
-                    messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
-                continue
-            answer = message.content or ""
-            if str(task.answer) in re.findall(r"-?\d+", answer):
-                break
-            messages.append({"role": "user", "content": "Answer with the number only."})
-    except APIError as exc:
-        result.status = "error"
-        await _finish(http, proxy_url, created, "error", f"{type(exc).__name__}: {exc}")
-        return result
-    finally:
-        for _ in range(turns - result.turns):
-            advance()  # the bar counts turns; an agent that stopped early gives the rest back
-        await agent.close()
-    result.reward, result.parts = reward(task, result.valid_tool_calls > 0, answer)
-    await http.post(
-        f"{proxy_url}/sessions/{result.session_id}/reward",
-        json={"value": result.reward, "components": result.parts, "source": "trajstore.demo"},
-        headers={"Authorization": f"Bearer {created['orchestrator_key']}"},
-    )
-    await _finish(http, proxy_url, created, "completed", None)
-    return result
-
-
-async def _finish(
-    http: httpx.AsyncClient, proxy_url: str, created: dict[str, Any], status: str, why: str | None
-) -> None:
-    response = await http.post(
-        f"{proxy_url}/sessions/{created['session_id']}/finish",
-        json={"status": status, "reason": why},
-        headers={"Authorization": f"Bearer {created['orchestrator_key']}"},
-    )
-    response.raise_for_status()
+    for turn in range(turns):
+        # First turn: this agent always computes with a tool, so it names the tool to call.
+        choice: Any = {"type": "function", "function": {"name": task.op}} if turn == 0 else "auto"
+        reply = await agent.chat.completions.create(
+            model=model, messages=messages, tools=TOOLS, tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=max_tokens, temperature=1.0,
+        )  # fmt: skip
+        result.turns += 1
+        advance()
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))  # the history, as sent back
+        if message.tool_calls:
+            for call in message.tool_calls:
+                name, arguments = call.function.name, call.function.arguments  # type: ignore[union-attr]
+                content, valid = run_tool(name, arguments)
+                result.tool_calls += 1
+                result.valid_tool_calls += valid
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+            continue
+        answer = message.content or ""
+        if str(task.answer) in re.findall(r"-?\d+", answer):
+            break
+        messages.append({"role": "user", "content": "Answer with the number only."})
+    return answer
 
 
 async def wait_for_samples(
@@ -369,7 +365,7 @@ async def run_demo(
     tasks = [question for question in questions for _ in range(GROUP_SIZE)][:agents]
     async with (
         serving(settings, database_url, poll_interval=0.5, **(role_urls or {}), ui=ui) as running,
-        httpx.AsyncClient(timeout=120) as http,
+        AsyncClient(running.url, api_key=settings.api_key, timeout=120) as client,
         await EventStore.open(database_url) as store,
     ):
         run_page = f"{running.ui_url}/runs/{run_id}" if running.ui_url else None
@@ -382,7 +378,7 @@ async def run_demo(
                 progress.advance(bar)
 
             results = await asyncio.gather(*(
-                run_agent(http, running.url, run_id, task, model=model, turns=turns,
+                run_agent(client, run_id, task, model=model, turns=turns,
                           max_tokens=max_tokens, advance=advance)
                 for task in tasks
             ))  # fmt: skip

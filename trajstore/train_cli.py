@@ -79,8 +79,7 @@ async def run_config(
 
     The engine is reset to v0's weights first, so runs in one process start alike.
     """
-    import httpx
-
+    from trajstore.client import AsyncClient
     from trajstore.live import AgentPool, train_live
     from trajstore.publish import Publisher
     from trajstore.store.eventstore import EventStore
@@ -91,10 +90,10 @@ async def run_config(
     try:
         await publisher.load(services.model_dir, 0)
         async with (
-            httpx.AsyncClient(timeout=120) as http,
+            AsyncClient(services.proxy_url, timeout=120) as client,
             await EventStore.open(services.database_url) as store,
         ):
-            agents = AgentPool(services.proxy_url, SERVED_NAME, run_id, config, http)
+            agents = AgentPool(client, SERVED_NAME, run_id, config)
             before = await agents.evaluate(f"{run_id}-eval-v0", eval_sessions)
             history = await train_live(
                 store, learner, publisher, config, run_id=run_id, training_run=run_id,

@@ -2,11 +2,12 @@
 
 For each attempt of each task (a trial), in the order attempt 1 of every task, then attempt 2...:
 
-    POST /sessions (run id, task id, group `<run id>/<task id>`, deadline: the agent's timeout)
+    a session (`trajstore.client`: run id, task id, group `<run id>/<task id>`, deadline: the
+       agent's timeout)
     -> the agent command, with the session's base URL and key and the instruction in its
        environment, in a fresh workspace, stopped at `[agent] timeout_sec`
     -> the verifier (`tests/test.sh`) in the task directory, stopped at `[verifier] timeout_sec`
-    -> POST /sessions/{id}/reward (the verifier's reward), POST /sessions/{id}/finish
+    -> its reward (the verifier's), its finish
        (`completed`; `timeout` when the agent or verifier ran out of time; `error` when the agent
        exited non-zero)
 
@@ -35,6 +36,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from trajstore.client import AsyncClient, AsyncSession, ClientError, SessionClosed
 from trajstore.tasks import (
     Command,
     LocalRunner,
@@ -92,99 +94,30 @@ class Trial:
         return {"task_id": self.task.task_id, "dir": str(self.dir), **row}
 
 
-class SessionAPI:
-    """The proxy's session calls an orchestrator makes (`proxy.app`), over HTTP."""
+async def check_proxy(client: AsyncClient) -> None:
+    """Fail early, with one clear line, when the proxy cannot be reached."""
+    url = client.calls.url
+    try:
+        (await client.http.get(f"{url}/health")).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"the proxy at {url} does not answer: {exc}") from exc
 
-    def __init__(self, http: httpx.AsyncClient, proxy_url: str, admin_key: str | None) -> None:
-        self.http = http
-        self.url = proxy_url.rstrip("/")
-        self.admin = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
 
-    async def check(self) -> None:
-        """Fail early, with one clear line, when the proxy cannot be reached."""
-        try:
-            (await self.http.get(f"{self.url}/health")).raise_for_status()
-        except httpx.HTTPError as exc:
-            raise click.ClickException(f"the proxy at {self.url} does not answer: {exc}") from exc
-
-    async def create(self, body: dict[str, Any]) -> dict[str, Any]:
-        """`POST /sessions`: the session's id, base URLs and both keys."""
-        response = await self.http.post(f"{self.url}/sessions", json=body, headers=self.admin)
-        _raise_for_status(response)
-        created: dict[str, Any] = response.json()
-        return created
-
-    async def served_model(self, created: dict[str, Any]) -> str | None:
-        """The first model the engines serve, asked as the session's agent would."""
-        try:
-            response = await self.http.get(
-                f"{created['base_url']}/models",
-                headers={"Authorization": f"Bearer {created['api_key']}"},
-            )
-            return str(response.raise_for_status().json()["data"][0]["id"])
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-            return None
-
-    async def reward(self, created: dict[str, Any], verdict: Verdict) -> None:
-        """`POST /sessions/{id}/reward` with the orchestrator's key."""
-        body = {"value": verdict.reward, "components": verdict.components,
-                "source": f"trajstore run: {verdict.source}"}  # fmt: skip
-        response = await self.http.post(
-            f"{self.url}/sessions/{created['session_id']}/reward", json=body,
-            headers=_bearer(created["orchestrator_key"]),
-        )  # fmt: skip
-        _raise_for_status(response)
-
-    async def finish(self, created: dict[str, Any], status: str, reason: str | None) -> str:
-        """`POST /sessions/{id}/finish`; the status the session ended with.
-
-        The proxy may have finished it first, as `timeout`, when the agent called past its
-        deadline: that 409 is no failure, the recorded status stands.
-        """
-        session_url = f"{self.url}/sessions/{created['session_id']}"
-        headers = _bearer(created["orchestrator_key"])
-        response = await self.http.post(
-            f"{session_url}/finish", json={"status": status, "reason": reason}, headers=headers
+async def served_model(client: AsyncClient, session: AsyncSession) -> str | None:
+    """The first model the engines serve, asked as the session's agent would."""
+    try:
+        response = await client.http.get(
+            f"{session.base_url}/models", headers={"Authorization": f"Bearer {session.api_key}"}
         )
-        if response.status_code == 409:
-            return str((await self.session(created))["status"])
-        _raise_for_status(response)
-        return str(response.json()["status"])
-
-    async def session(self, created: dict[str, Any]) -> dict[str, Any]:
-        """`GET /sessions/{id}`: the session as recorded, turns and token ids included."""
-        response = await self.http.get(
-            f"{self.url}/sessions/{created['session_id']}",
-            headers=_bearer(created["orchestrator_key"]),
-        )
-        _raise_for_status(response)
-        recorded: dict[str, Any] = response.json()
-        return recorded
+        return str(response.raise_for_status().json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
-def _bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def _raise_for_status(response: httpx.Response) -> None:
-    """Like `raise_for_status`, with the proxy's own explanation in the message."""
-    if response.is_error:
-        raise httpx.HTTPStatusError(
-            f"{response.request.method} {response.request.url.path}: {response.status_code} "
-            f"{response.text[:300]}",
-            request=response.request,
-            response=response,
-        )
-
-
-def agent_environment(trial: Trial, created: dict[str, Any], model: str | None) -> dict[str, str]:
+def agent_environment(trial: Trial, session: AsyncSession, model: str | None) -> dict[str, str]:
     """What the agent finds in its environment: the variables agents already read, and ours."""
     env = {
-        "OPENAI_BASE_URL": created["base_url"],
-        "OPENAI_API_KEY": created["api_key"],
-        "ANTHROPIC_BASE_URL": created["anthropic_base_url"],
-        "ANTHROPIC_API_KEY": created["api_key"],
-        "TRAJSTORE_SESSION_ID": created["session_id"],
+        **session.env(),
         "TRAJSTORE_TASK_ID": trial.task.task_id,
         "TRAJSTORE_INSTRUCTION": trial.task.instruction,
         "TRAJSTORE_INSTRUCTION_FILE": str(trial.dir / "instruction.md"),
@@ -218,7 +151,7 @@ def _tail(path: Path) -> str:
 class TrialLoop:
     """Runs trials against one proxy: the session calls, the agent, the verifier."""
 
-    api: SessionAPI
+    client: AsyncClient  #: the proxy's session API
     agent: str  #: the agent's shell command
     run_id: str
     runner: Runner
@@ -229,21 +162,20 @@ class TrialLoop:
         """One trial, start to finish; what failed is in `trial.failures`, never raised."""
         task = trial.task
         agent_timeout = task.agent_timeout_s * self.timeout_multiplier
-        body = {
-            "run_id": self.run_id, "task_id": task.task_id,
-            "group_id": f"{self.run_id}/{task.task_id}",  # the attempts of a task: one group
-            "metadata": {"tags": task.tags, "attempt": trial.attempt,
-                         "task_metadata": task.metadata, "source": "trajstore run"},
-            "deadline_s": agent_timeout,  # the proxy refuses the agent's calls past it, too
-        }  # fmt: skip
         try:
-            created = await self.api.create(body)
-        except httpx.HTTPError as exc:
+            created = await self.client.create_session(
+                self.run_id, task_id=task.task_id,
+                group_id=f"{self.run_id}/{task.task_id}",  # the attempts of a task: one group
+                metadata={"tags": task.tags, "attempt": trial.attempt,
+                          "task_metadata": task.metadata, "source": "trajstore run"},
+                deadline_s=agent_timeout,  # the proxy refuses the agent's calls past it, too
+            )  # fmt: skip
+        except ClientError as exc:
             trial.failures.append(f"no session: {exc}")
             return trial
-        trial.session_id = created["session_id"]
+        trial.session_id = created.session_id
         if self.model is None:
-            self.model = await self.api.served_model(created) or ""
+            self.model = await served_model(self.client, created) or ""
         try:
             status, reason, verdict = await self._agent_then_verifier(trial, created)
         except asyncio.CancelledError:
@@ -254,7 +186,7 @@ class TrialLoop:
         return trial
 
     async def _agent_then_verifier(
-        self, trial: Trial, created: dict[str, Any]
+        self, trial: Trial, created: AsyncSession
     ) -> tuple[str, str | None, Verdict | None]:
         task = trial.task
         trial.workspace.mkdir(parents=True, exist_ok=True)
@@ -295,18 +227,26 @@ class TrialLoop:
             return status, reason, None
 
     async def _close(
-        self, trial: Trial, created: dict[str, Any], status: str, reason: str | None,
+        self, trial: Trial, created: AsyncSession, status: str, reason: str | None,
         verdict: Verdict | None,
     ) -> None:  # fmt: skip
-        """Reward, finish, then read the recorded tokens back."""
+        """Reward, finish, then read the recorded tokens back.
+
+        The proxy may have finished the session first, as `timeout`, when the agent called past
+        its deadline: that refusal is no failure, the recorded status stands.
+        """
         try:
             if verdict is not None:
-                await self.api.reward(created, verdict)
+                await created.reward(verdict.reward, components=verdict.components,
+                                     source=f"trajstore run: {verdict.source}")  # fmt: skip
                 trial.reward, trial.reward_source = verdict.reward, verdict.source
-            trial.status = await self.api.finish(created, status, reason)
+            try:
+                trial.status = await created.finish(status, reason=reason)
+            except SessionClosed:
+                trial.status = str((await created.turns())["status"])
             trial.recorded = True
-            recorded = await self.api.session(created)
-        except httpx.HTTPError as exc:
+            recorded = await created.turns()
+        except ClientError as exc:
             trial.failures.append(f"not recorded: {exc}")
             return
         for turn in recorded.get("turns", []):
@@ -397,10 +337,9 @@ async def run_against(
     loop_args: dict[str, Any], *, attempts: int, concurrency: int, jobs_dir: Path,
 ) -> list[Trial]:  # fmt: skip
     """All trials against the proxy at `proxy_url`, under a progress bar."""
-    async with httpx.AsyncClient(timeout=60) as http:
-        api = SessionAPI(http, proxy_url, admin_key)
-        await api.check()
-        loop = TrialLoop(api, runner=LocalRunner(), **loop_args)
+    async with AsyncClient(proxy_url, api_key=admin_key) as client:
+        await check_proxy(client)
+        loop = TrialLoop(client, runner=LocalRunner(), **loop_args)
         total = len(tasks) * attempts
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn())  # fmt: skip

@@ -5,14 +5,14 @@ Online (`TrajstoreRollout`, TRL >= 1.10). TRL calls `rollout_func(prompts, train
 generation batch with the prompts of this process (each already repeated `num_generations`
 times by TRL's sampler) and wants one completion per prompt back. For each prompt the rollout:
 
-1. creates a session on the proxy (`POST /sessions`: run id, a task id, a group id);
+1. creates a session on the proxy (`trajstore.client`: run id, a task id, a group id);
 2. runs the agent, a coroutine `agent(base_url, api_key, prompt) -> reward | None`, against the
    session's `base_url` (or `anthropic_base_url`), as it would run against any endpoint;
-3. records its reward (`POST /sessions/{id}/reward`) and finishes the session
-   (`POST /sessions/{id}/finish`), both with the session's orchestrator key;
+3. records its reward and finishes the session (`error` or `timeout`, with the reason, when the
+   agent failed);
 4. reads the session's events from the store and builds its samples with the projector's own
-   function (`store.samples.build_samples`), so what TRL gets is token for token the sample the
-   projector writes into `samples`, without waiting for the projector.
+   function (`AsyncSession.samples`, `store.recorded`), so what TRL gets is token for token the
+   sample the projector writes into `samples`, without waiting for the projector.
 
 A multi-turn session is one sample (the proxy's token-in continuation). A session whose history
 diverged has several branches: the rollout takes the last one (`is_final`), the one that holds
@@ -50,13 +50,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import httpx
 import numpy as np
 
-from trajstore.store import EventStore
-from trajstore.store.connection import unavailable_as_store_error
-from trajstore.store.samples import Sample, build_samples, final_branch
-from trajstore.store.sessions import rebuild_session
+from trajstore.client import AsyncClient, exit_status
+from trajstore.store.samples import Sample, final_branch
 from trajstore.trainer.errors import TrainerError
 from trajstore.trainer.trl_dataset import run_sync
 
@@ -66,6 +63,7 @@ log = logging.getLogger(__name__)
 #: a string or a list of messages), it does its work through the proxy and returns its reward
 #: (None: no reward; TRL then treats the completion as unscorable).
 Agent = Callable[[str, str, Any], Awaitable[float | None]]
+
 
 class RolloutFailed(TrainerError):
     """An agent failed, or a session left nothing to train on; the message says which."""
@@ -221,26 +219,24 @@ class TrajstoreRollout:
         """
         call = self.calls
         self.calls += 1
-        headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
         limit = asyncio.Semaphore(self.max_concurrency)
-        store = await EventStore.open(self.database_url, min_size=1, max_size=2)
-        try:
-            async with httpx.AsyncClient(timeout=self.timeout, headers=headers) as http:
-                if self.publish_policy_version and step is not None:
-                    await _post(http, f"{self.proxy_url}/admin/engines/policy-version",
-                                {"version": str(step)})  # fmt: skip
+        client = AsyncClient(
+            self.proxy_url, api_key=self.admin_key, database_url=self.database_url,
+            timeout=self.timeout,
+        )  # fmt: skip
+        async with client:
+            if self.publish_policy_version and step is not None:
+                await client.set_policy_version(str(step))
 
-                async def one(index: int, prompt: Any) -> _Episode:
-                    async with limit:
-                        return await self._episode(
-                            http, store, prompt, call, index, step, placeholder_token_id
-                        )
+            async def one(index: int, prompt: Any) -> _Episode:
+                async with limit:
+                    return await self._episode(
+                        client, prompt, call, index, step, placeholder_token_id
+                    )
 
-                results = await asyncio.gather(
-                    *(one(i, p) for i, p in enumerate(prompts)), return_exceptions=True
-                )
-        finally:
-            await store.close()
+            results = await asyncio.gather(
+                *(one(i, p) for i, p in enumerate(prompts)), return_exceptions=True
+            )
         episodes: list[_Episode] = []
         for result in results:
             if isinstance(result, BaseException):
@@ -264,8 +260,7 @@ class TrajstoreRollout:
 
     async def _episode(
         self,
-        http: httpx.AsyncClient,
-        store: EventStore,
+        client: AsyncClient,
         prompt: Any,
         call: int,
         index: int,
@@ -273,57 +268,50 @@ class TrajstoreRollout:
         placeholder_token_id: int,
     ) -> _Episode:
         task_id = self.task_id(prompt)
-        body = {
-            "run_id": self.run_id,
-            "task_id": task_id,
-            "group_id": f"{self.run_id}/{'-' if step is None else step}/{call}/{task_id}",
-            "metadata": {**self.metadata, "trl": {"step": step, "rollout": call, "index": index}},
-        }
-        session = await _post(http, f"{self.proxy_url}/sessions", body)
-        session_id = str(session["session_id"])
-        grader = {"Authorization": f"Bearer {session['orchestrator_key']}"}
-        base_url = session["base_url" if self.api == "openai" else "anthropic_base_url"]
-        url = f"{self.proxy_url}/sessions/{session_id}"
-
+        session = await client.create_session(
+            self.run_id,
+            task_id=task_id,
+            group_id=f"{self.run_id}/{'-' if step is None else step}/{call}/{task_id}",
+            metadata={**self.metadata, "trl": {"step": step, "rollout": call, "index": index}},
+        )
+        base_url = session.base_url if self.api == "openai" else session.anthropic_base_url
         failure: BaseException | None = None
-        status = "completed"
         reward: float | None = None
         try:
             value = await asyncio.wait_for(
-                self.agent(base_url, session["api_key"], prompt), self.agent_timeout
+                self.agent(base_url, session.api_key, prompt), self.agent_timeout
             )
             if value is not None:
                 reward = float(value)
                 if not math.isfinite(reward):
-                    raise RolloutFailed(f"session {session_id!r}: the agent returned {value!r}")
-        except TimeoutError as error:
-            failure, status = error, "timeout"
+                    raise RolloutFailed(
+                        f"session {session.session_id!r}: the agent returned {value!r}"
+                    )
         except Exception as error:  # the agent's own failure, whatever it is
-            failure, status = error, "error"
+            failure = error
         if failure is None and reward is not None:
-            await _post(http, f"{url}/reward", {"value": reward, "source": "trl_rollout"}, grader)
-        finish: dict[str, Any] = {"status": status}
-        if failure is not None:
-            finish["reason"] = f"{type(failure).__name__}: {failure}"[:500]
-        await _post(http, f"{url}/finish", finish, grader, ok=(200, 409))
+            await session.reward(reward, source="trl_rollout")
+        status, _ = exit_status(failure)
+        await session.close_after(failure)  # `completed`, or `error`/`timeout` with the reason
 
         if failure is not None and self.on_agent_error == "raise":
-            raise RolloutFailed(f"session {session_id!r}: the agent failed ({status})") from failure
-        async with unavailable_as_store_error():
-            record = rebuild_session(session_id, await store.read_session(session_id), packed=True)
-        samples = build_samples(record)
+            raise RolloutFailed(
+                f"session {session.session_id!r}: the agent failed ({status})"
+            ) from failure
+        samples = await session.samples()
         sample = final_branch(samples)
         branches = len([s for s in samples if s.alternative_of is None])
         if failure is None:
             if sample is None:
                 raise RolloutFailed(
-                    f"session {session_id!r}: the agent made no completed model call, so there "
-                    "is nothing to train on (on_agent_error='mask' keeps going past such agents)"
+                    f"session {session.session_id!r}: the agent made no completed model call, "
+                    "so there is nothing to train on (on_agent_error='mask' keeps going past "
+                    "such agents)"
                 )
-            return _Episode(session_id, reward, trl_fields(sample), branches)
-        log.warning("session %s: the agent failed (%s), masked out: %s", session_id, status,
-                    failure)  # fmt: skip
-        return _Episode(session_id, None, _masked(sample, placeholder_token_id), branches)
+            return _Episode(session.session_id, reward, trl_fields(sample), branches)
+        log.warning("session %s: the agent failed (%s), masked out: %s", session.session_id,
+                    status, failure)  # fmt: skip
+        return _Episode(session.session_id, None, _masked(sample, placeholder_token_id), branches)
 
 
 def _masked(sample: Sample | None, placeholder_token_id: int) -> TrlSample:
@@ -340,18 +328,3 @@ def _masked(sample: Sample | None, placeholder_token_id: int) -> TrlSample:
     except RolloutFailed:
         pass
     return TrlSample([placeholder_token_id], [placeholder_token_id], [math.nan], [0])
-
-
-async def _post(
-    http: httpx.AsyncClient,
-    url: str,
-    body: dict[str, Any],
-    headers: dict[str, str] | None = None,
-    ok: tuple[int, ...] = (200, 201),
-) -> dict[str, Any]:
-    """POST to the proxy; `RolloutFailed` with its answer when the status is not in `ok`."""
-    response = await http.post(url, json=body, headers=headers)
-    if response.status_code not in ok:
-        raise RolloutFailed(f"POST {url}: {response.status_code} {response.text[:500]}")
-    answer = response.json()
-    return answer if isinstance(answer, dict) else {"answer": answer}

@@ -3,14 +3,14 @@
 verl (https://github.com/volcengine/verl) runs one agent loop per prompt of a rollout
 (`verl.experimental.agent_loop`). This one does not drive the model itself. Per prompt it:
 
-1. creates a trajstore session (`POST {proxy}/sessions`: run_id, task_id, and group_id = verl's
+1. creates a trajstore session (`trajstore.client`: run_id, task_id, and group_id = verl's
    `uid`, which the n rollouts of one prompt share, so GRPO groups are trajstore groups);
 2. runs the configured agent against the session: a Python coroutine
    `agent(base_url, api_key, prompt) -> reward | None`, or a command with `OPENAI_BASE_URL`,
    `OPENAI_API_KEY`, `ANTHROPIC_BASE_URL`, `ANTHROPIC_API_KEY`, `TRAJSTORE_SESSION_ID` and
    `TRAJSTORE_PROMPT` (the prompt's messages as JSON, also on its stdin) in its environment,
    whose reward is the last line of its stdout (a number, or JSON with a `reward`);
-3. assigns the reward (`POST /sessions/{id}/reward`) and finishes the session (`completed`; an
+3. assigns the reward and finishes the session (`completed`; an
    agent that raised or exited non-zero: `error`; past `timeout_s`: `timeout`; cancelled:
    `aborted`), both with the session's orchestrator key;
 4. reads the recorded session back from PostgreSQL and returns verl's `AgentLoopOutput` built
@@ -44,6 +44,7 @@ verl's workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import json
@@ -55,7 +56,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import numpy as np
 from verl.experimental.agent_loop.agent_loop import (
     AgentLoopBase,
@@ -64,9 +64,11 @@ from verl.experimental.agent_loop.agent_loop import (
     register,
 )
 
+from trajstore.client import AsyncClient, AsyncSession, SessionClosed
 from trajstore.store import EventStore
+from trajstore.store.recorded import recorded_session
 from trajstore.store.samples import build_samples, final_branch
-from trajstore.store.sessions import SessionRecord, rebuild_session
+from trajstore.store.sessions import SessionRecord
 from trajstore.trainer.verl_batch import split_sample
 
 log = logging.getLogger(__name__)
@@ -262,7 +264,8 @@ def _plain(value: Any) -> Any:
 
 
 def _session_body(settings: TrajstoreSettings, sample: Mapping[str, Any]) -> dict[str, Any]:
-    """`POST /sessions` for one prompt of verl's batch (its dataset fields in `sample`)."""
+    """The session of one prompt of verl's batch (its dataset fields in `sample`), as
+    `AsyncClient.create_session`'s arguments."""
     extra = _plain(sample.get("extra_info")) or {}
     index = _plain(sample.get("index"))
     task = extra.get("task_id") if isinstance(extra, dict) else None
@@ -306,20 +309,11 @@ class AgentFailed(Exception):
 
 
 async def _run_command(
-    settings: TrajstoreSettings, session: Mapping[str, Any], prompt: Any
+    settings: TrajstoreSettings, session: AsyncSession, prompt: Any
 ) -> float | None:
     assert settings.command is not None
     prompt_json = json.dumps(prompt)
-    env = {
-        **os.environ,
-        **settings.extra_env,
-        "OPENAI_BASE_URL": session["base_url"],
-        "OPENAI_API_KEY": session["api_key"],
-        "ANTHROPIC_BASE_URL": session["anthropic_base_url"],
-        "ANTHROPIC_API_KEY": session["api_key"],
-        "TRAJSTORE_SESSION_ID": session["session_id"],
-        "TRAJSTORE_PROMPT": prompt_json,
-    }
+    env = {**os.environ, **settings.extra_env, **session.env(), "TRAJSTORE_PROMPT": prompt_json}
     process = await asyncio.create_subprocess_exec(
         *settings.command,
         stdin=asyncio.subprocess.PIPE,
@@ -341,37 +335,25 @@ async def _run_command(
 
 
 async def _run_agent(
-    settings: TrajstoreSettings, session: Mapping[str, Any], prompt: Any
+    settings: TrajstoreSettings, session: AsyncSession, prompt: Any
 ) -> float | None:
     if settings.command is not None:
         return await _run_command(settings, session, prompt)
     assert settings.agent is not None
     agent = resolve_agent(settings.agent)
     if inspect.iscoroutinefunction(agent):
-        result = await agent(session["base_url"], session["api_key"], prompt)
+        result = await agent(session.base_url, session.api_key, prompt)
     else:  # a plain function: off the event loop, which other episodes share
-        result = await asyncio.to_thread(agent, session["base_url"], session["api_key"], prompt)
+        result = await asyncio.to_thread(agent, session.base_url, session.api_key, prompt)
         if inspect.isawaitable(result):
             result = await result
     return None if result is None else float(result)
 
 
-async def _post(
-    http: httpx.AsyncClient, url: str, body: dict[str, Any], key: str | None
-) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    response = await http.post(url, json=body, headers=headers)
-    if response.status_code >= 400:
-        raise RuntimeError(f"POST {url}: {response.status_code} {response.text[:_REASON_CHARS]}")
-    answer: dict[str, Any] = response.json()
-    return answer
-
-
 async def read_recorded_session(database_url: str, session_id: str) -> SessionRecord:
     """The session as recorded (every event durable once the proxy answered its finish)."""
     async with await EventStore.open(database_url, min_size=1, max_size=1) as store:
-        events = await store.read_session(session_id)
-    return rebuild_session(session_id, events, packed=True)
+        return await recorded_session(store, session_id)
 
 
 async def run_episode(
@@ -385,12 +367,13 @@ async def run_episode(
     as a recorded trajstore session; the module docstring says how."""
     prompt = _plain(sample.get("raw_prompt"))
     started = time.perf_counter()
-    async with httpx.AsyncClient(timeout=settings.http_timeout_s) as http:
-        proxy = settings.proxy_url
-        session = await _post(
-            http, f"{proxy}/sessions", _session_body(settings, sample), settings.api_key
-        )
-        sid, grader = session["session_id"], session["orchestrator_key"]
+    client = AsyncClient(
+        settings.proxy_url, api_key=settings.api_key, database_url=settings.database_url,
+        timeout=settings.http_timeout_s,
+    )  # fmt: skip
+    async with client:
+        session = await client.create_session(**_session_body(settings, sample))
+        sid = session.session_id
         status, reason, reward = "completed", None, None
         failure: Exception | None = None
         try:
@@ -398,8 +381,7 @@ async def run_episode(
                 _run_agent(settings, session, prompt), settings.timeout_s
             )
         except asyncio.CancelledError:
-            finish = {"status": "aborted", "reason": "cancelled by verl"}
-            await asyncio.shield(_post(http, f"{proxy}/sessions/{sid}/finish", finish, grader))
+            await asyncio.shield(session.finish("aborted", reason="cancelled by verl"))
             raise
         except TimeoutError as exc:
             status, reason, failure = "timeout", f"agent ran past {settings.timeout_s}s", exc
@@ -411,13 +393,12 @@ async def run_episode(
             reward = settings.failure_reward
         if reward is not None:
             source = "agent" if failure is None else f"trajstore.verl_loop:{status}"
-            body = {"value": reward, "source": source}
-            await _post(http, f"{proxy}/sessions/{sid}/reward", body, grader)
-        finish = {"status": status, **({"reason": reason} if reason else {})}
-        await _post(http, f"{proxy}/sessions/{sid}/finish", finish, grader)
+            await session.reward(reward, source=source)
+        with contextlib.suppress(SessionClosed):  # the proxy finished it (its deadline) first
+            await session.finish(status, reason=reason)
         if failure is not None and settings.failure_reward is None:
             raise AgentFailed(f"trajstore session {sid}: {status}: {reason}") from failure
-    recorded = await read_recorded_session(settings.database_url, sid)
+        recorded = await session.record()
     return agent_loop_output(
         recorded,
         prompt_length=prompt_length,
