@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from trajstore.client import SessionInfo
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
@@ -105,16 +107,16 @@ _THEIRS = ("OPENAI_", "ANTHROPIC_", "CODEX_", "CLAUDE_", "OPENCODE", "QWEN_", "M
            "TRAJSTORE_")  # fmt: skip
 
 
-def run_env(bin_dir: Path, home: Path, session: dict[str, str], task: str) -> dict[str, str]:
+def run_env(bin_dir: Path, home: Path, session: SessionInfo, task: str) -> dict[str, str]:
     """The environment a harness runs in: the machine's, less any model keys and endpoints,
     with its HOME, its binary on PATH and the session's variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_THEIRS)}
     env |= {
         "HOME": str(home),
         "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
-        "SESSION_URL": session["base_url"],
-        "SESSION_ANTHROPIC_URL": session["anthropic_base_url"],
-        "SESSION_KEY": session["api_key"],
+        "SESSION_URL": session.base_url,
+        "SESSION_ANTHROPIC_URL": session.anthropic_base_url,
+        "SESSION_KEY": session.api_key,
         "TASK": task,
         "NO_COLOR": "1",
     }

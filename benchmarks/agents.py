@@ -61,9 +61,8 @@ from agent_harnesses import (
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
 from proxy_overhead import ROOT, Servers, free_port
 
-from trajstore.store import EventStore
+from trajstore.client import AsyncClient
 from trajstore.store.embedded import database_url
-from trajstore.store.samples import build_samples
 from trajstore.store.sessions import rebuild_session
 
 sys.path.insert(0, str(ROOT))
@@ -156,9 +155,8 @@ async def run_one(
     """Run `harness` through a new session of `engine`; its row, and its captured calls."""
     assert engine.capture is not None
     row = Row(harness, engine.kind)
-    body = {"run_id": f"agents-{engine.kind}", "task_id": harness.name}
-    async with engine.http.post(engine.proxy_url + "/sessions", json=body) as answer:
-        session = await answer.json()
+    client = AsyncClient(engine.proxy_url, database_url=db_url)
+    session = await client.create_session(f"agents-{engine.kind}", task_id=harness.name)
     home, workdir = SCRATCH / "home" / harness.name, SCRATCH / "project"
     shutil.rmtree(home, ignore_errors=True)
     prepare_home(home)
@@ -167,7 +165,7 @@ async def run_one(
     began = loop.time()
     child = await asyncio.create_subprocess_exec(
         "bash", "-c", readme_command(harness.name), cwd=workdir,
-        env=run_env(bin_dir, home, session, TASK), stdin=asyncio.subprocess.DEVNULL,
+        env=run_env(bin_dir, home, session.info, TASK), stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
@@ -182,20 +180,18 @@ async def run_one(
     row.tail = out.decode(errors="replace")[-1500:]
     calls = engine.capture.take()
 
-    grader = {"Authorization": f"Bearer {session['orchestrator_key']}"}
-    url = f"{engine.proxy_url}/sessions/{session['session_id']}/finish"
-    async with engine.http.post(url, json={"status": "completed"}, headers=grader) as answer:
-        assert answer.status == 200, await answer.text()
-    async with await EventStore.open(db_url) as store:
-        events = await store.read_session(session["session_id"])
-    record = rebuild_session(session["session_id"], events)
+    async with client:
+        await session.finish()
+        samples = await session.samples()
+        # Unpacked (token ids as lists): what the captured calls are matched against.
+        events = await (await client.store()).read_session(session.session_id)
+    record = rebuild_session(session.session_id, events)
     attach_turns(calls, record)
     calls = in_proxy_order(calls)
     model_calls = [c for c in calls if c.api not in (None, "count_tokens")]
     row.calls, row.other = len(model_calls), len(calls) - len(model_calls)
     row.recorded = sum(1 for c in model_calls if c.turn is not None and _with_ids(c.turn))
     row.continued = sum(1 for t in record.turns if t.prompt_source == "continued")
-    samples = build_samples(rebuild_session(session["session_id"], events, packed=True))
     row.samples = len(samples)
     if samples and hasattr(samples[0], "lineage"):
         roles = {getattr(s, "lineage", None): getattr(s, "role", "?") for s in samples}

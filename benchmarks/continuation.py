@@ -45,6 +45,7 @@ from continuation_at_length import long_engine, report_lengths
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
 from proxy_overhead import ROOT, Server, Servers, cpu_seconds, start_vllm
 
+from trajstore.client import AsyncClient, SessionInfo
 from trajstore.store.embedded import database_url
 
 ENGINE_MAIN = """
@@ -73,7 +74,7 @@ def first_messages(tokens: int, session: int) -> list[dict[str, str]]:
 
 
 async def turn(
-    http: aiohttp.ClientSession, session: dict[str, str], messages: list[dict[str, str]], k: int
+    http: aiohttp.ClientSession, session: SessionInfo, messages: list[dict[str, str]], k: int
 ) -> tuple[dict[str, object], float]:
     """One chat turn as an agent sends it; the reply to send back, and the latency."""
     body = {
@@ -82,10 +83,10 @@ async def turn(
         # tokens (an agent's turns are longer than the few tokens the bias alone would leave).
         "logit_bias": {"2": 5}, "min_tokens": 16,
     }  # fmt: skip
-    headers = {"Authorization": f"Bearer {session['api_key']}"}
+    headers = {"Authorization": f"Bearer {session.api_key}"}
     started = time.perf_counter()
     async with http.post(
-        session["base_url"] + "/chat/completions", data=orjson.dumps(body), headers=headers
+        session.base_url + "/chat/completions", data=orjson.dumps(body), headers=headers
     ) as resp:
         raw = await resp.read()
     latency = time.perf_counter() - started
@@ -100,10 +101,11 @@ async def measure(
     http: aiohttp.ClientSession, proxy: Server, n: int, tokens: int, run: int
 ) -> tuple[float, list[float]]:
     """CPU seconds per second turn, and the second turns' latencies, for `n` sessions."""
-    sessions, histories = [], []
+    sessions: list[SessionInfo] = []
+    histories = []
     for i in range(n):
-        async with http.post(proxy.url + "/sessions", json={"run_id": f"r{run}"}) as resp:
-            sessions.append(await resp.json())
+        async with AsyncClient(proxy.url) as client:
+            sessions.append((await client.create_session(f"r{run}")).info)
         messages = first_messages(tokens, i)
         reply, _ = await turn(http, sessions[-1], messages, i)
         histories.append([*messages, reply, {"role": "tool", "content": "1 passed"}])

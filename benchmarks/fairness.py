@@ -43,6 +43,7 @@ import uvloop
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
 from proxy_overhead import ROOT, Servers, new_client, percentile
 
+from trajstore.client import AsyncClient
 from trajstore.store.embedded import database_url
 
 #: The engine in its own process: the fake vLLM, slow by `delay`, serving `capacity` at once.
@@ -115,17 +116,15 @@ class Tally:
     errors: Counter[str] = field(default_factory=Counter)
 
 
-async def new_sessions(
-    http: aiohttp.ClientSession, proxy: str, run_id: str, n: int
-) -> list[tuple[str, dict[str, str]]]:
+async def new_sessions(proxy: str, run_id: str, n: int) -> list[tuple[str, dict[str, str]]]:
     """`n` sessions of `run_id`: (chat URL, headers) of each."""
     routes = []
-    for _ in range(n):
-        async with http.post(f"{proxy}/sessions", json={"run_id": run_id}) as resp:
-            created = await resp.json()
-        headers = {"Authorization": f"Bearer {created['api_key']}"}
-        headers["Content-Type"] = "application/json"
-        routes.append((f"{created['base_url']}/chat/completions", headers))
+    async with AsyncClient(proxy) as client:
+        for _ in range(n):
+            created = await client.create_session(run_id)
+            headers = {"Authorization": f"Bearer {created.api_key}"}
+            headers["Content-Type"] = "application/json"
+            routes.append((f"{created.base_url}/chat/completions", headers))
     return routes
 
 
@@ -210,8 +209,8 @@ async def measure(
     figures = []
     try:
         await servers.wait_ready(proxy, http, "/health")
-        b_routes = await new_sessions(http, proxy.url, "run-b", plan.workers)
-        a_routes = await new_sessions(http, proxy.url, "run-a", plan.flood)
+        b_routes = await new_sessions(proxy.url, "run-b", plan.workers)
+        a_routes = await new_sessions(proxy.url, "run-a", plan.flood)
         await phase(http, b_routes, [], 1.0)  # warm up: connections, caches
         for _ in range(plan.runs):
             alone = await phase(http, b_routes, [], plan.duration)

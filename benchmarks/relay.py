@@ -29,6 +29,7 @@ import uvloop
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
 from proxy_overhead import ROOT, Server, Servers, cpu_seconds
 
+from trajstore.client import AsyncClient, SessionInfo
 from trajstore.store.embedded import database_url
 
 ENGINE_MAIN = """
@@ -55,11 +56,11 @@ async def ready(http: aiohttp.ClientSession, proxy: Server, deadline: float = 60
     raise RuntimeError(f"{proxy.name} has no healthy engine; its log:\n{proxy.log_tail()}")
 
 
-async def streamed(http: aiohttp.ClientSession, session: dict[str, str], body: bytes) -> float:
+async def streamed(http: aiohttp.ClientSession, session: SessionInfo, body: bytes) -> float:
     """One streamed chat request, read to its end; its latency."""
-    headers = {"Authorization": f"Bearer {session['api_key']}"}
+    headers = {"Authorization": f"Bearer {session.api_key}"}
     started = time.perf_counter()
-    async with http.post(session["base_url"] + "/chat/completions", data=body,
+    async with http.post(session.base_url + "/chat/completions", data=body,
                          headers=headers) as resp:  # fmt: skip
         raw = await resp.read()
     latency = time.perf_counter() - started
@@ -72,8 +73,8 @@ async def measure(
     http: aiohttp.ClientSession, proxy: Server, pids: list[int], n: int, body: bytes, run: int
 ) -> tuple[list[float], list[float]]:
     """CPU seconds per request of each of `pids`, and the latencies, for `n` requests."""
-    async with http.post(proxy.url + "/sessions", json={"run_id": f"bench-{run}"}) as resp:
-        session = await resp.json()
+    async with AsyncClient(proxy.url) as client:
+        session = (await client.create_session(f"bench-{run}")).info
     await asyncio.sleep(0.3)  # the previous run's events written: not charged to this one
     before = [cpu_seconds([pid]) for pid in pids]
     latencies = [await streamed(http, session, body) for _ in range(n)]
