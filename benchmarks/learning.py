@@ -34,9 +34,10 @@ from pathlib import Path
 
 from ingest import Databases  # benchmarks/ingest.py, next to this file
 
-from trajstore.live import LiveConfig, rewards_by_version, summary
+from trajstore.live import LiveConfig, summary
 from trajstore.store import EventStore
 from trajstore.store.embedded import database_url
+from trajstore.store.sample_reads import rewards_by_version
 from trajstore.tiny_model import build_tiny_model
 from trajstore.train_cli import live_services, run_config
 from trajstore.trainer.learner import LearnerConfig

@@ -84,7 +84,7 @@ class Reaper:
         done = Reaped()
         now = time.monotonic()
         recent = await self._recently_finished(now)
-        rows = await self.store.pool.fetch(queries.ACTIVE_SESSION_STREAMS, recent)
+        rows = await self.store.fetch(queries.ACTIVE_SESSION_STREAMS, recent)
         live = await self.registry.replicas.live()
         seen_absent = {r["replica"] for r in rows if r["replica"] and r["replica"] not in live}
         self._absent_since = {

@@ -52,7 +52,6 @@ from trajstore.store.connection import (
     RETRYABLE_ERRORS,
     close_quietly,
     connect,
-    unavailable_as_store_error,
 )
 
 log = logging.getLogger(__name__)
@@ -179,14 +178,12 @@ class Replicas:
         return await self._live_peers() | {self.id}
 
     async def _live_peers(self) -> set[str]:
-        async with unavailable_as_store_error():
-            rows = await self.store.pool.fetch(queries.CLIENTS_NAMED, APPLICATION_PREFIX)
+        rows = await self.store.fetch(queries.CLIENTS_NAMED, APPLICATION_PREFIX)
         names = (row["application_name"].removeprefix(APPLICATION_PREFIX) for row in rows)
         return {name.partition(":")[0] for name in names} - {self.id}
 
     async def _notify(self, channel: str, payload: str) -> None:
-        async with unavailable_as_store_error():
-            await self.store.pool.execute(queries.NOTIFY, channel, payload)
+        await self.store.execute(queries.NOTIFY, channel, payload)
 
     async def _listen(self) -> None:
         conn = await connect(self.store.url, application_name=connection_name(self.id, "listener"))

@@ -86,6 +86,32 @@ class EventStore:
     ) -> None:
         await self.close()
 
+    # -- the parts' own queries ------------------------------------------------------------------
+    # Each part keeps its SQL in one place and runs it here, by name: the pool and the mapping of
+    # its failures to `StoreUnavailable` stay the store's (nothing else touches the pool).
+
+    async def fetch(self, query: str, *arguments: Any) -> list[asyncpg.Record]:
+        """The rows of one query."""
+        async with unavailable_as_store_error():
+            return list(await self.pool.fetch(query, *arguments))
+
+    async def fetchrow(self, query: str, *arguments: Any) -> asyncpg.Record | None:
+        """The first row of one query, or None."""
+        async with unavailable_as_store_error():
+            row: asyncpg.Record | None = await self.pool.fetchrow(query, *arguments)
+            return row
+
+    async def fetchval(self, query: str, *arguments: Any) -> Any:
+        """The first column of the first row of one query."""
+        async with unavailable_as_store_error():
+            return await self.pool.fetchval(query, *arguments)
+
+    async def execute(self, query: str, *arguments: Any) -> str:
+        """Run one statement; its status."""
+        async with unavailable_as_store_error():
+            status: str = await self.pool.execute(query, *arguments)
+            return status
+
     # -- appending ----------------------------------------------------------------------------
 
     async def append(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -151,6 +152,46 @@ def test_each_part_exports_its_commands() -> None:
         ctx = click.Context(main)
         for command in module.commands:
             assert main.get_command(ctx, command.name) is command, (part, command.name)
+
+
+def _outside_store() -> dict[str, Path]:
+    return {name: path for name, path in modules().items() if part_of(name) != "store"}
+
+
+def test_only_the_store_touches_its_connection_pool() -> None:
+    # The store owns its pool (and how its failures read): the parts run their own SQL through
+    # `EventStore.fetch` and friends, the samples through `store.sample_reads`.
+    wrong = [
+        f"{name}:{node.lineno}"
+        for name, path in _outside_store().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "pool"
+    ]
+    assert wrong == []
+
+
+def test_only_the_store_queries_samples() -> None:
+    # One owner per table: SQL naming `samples` outside store/ (a string constant holding
+    # "FROM samples", "JOIN samples", "INSERT INTO samples" or "UPDATE samples", as SQL spells
+    # it) is a second place to change.
+    said = re.compile(r"\b(FROM|JOIN|INSERT INTO|UPDATE)\s+samples\b")
+    wrong = [
+        f"{name}:{node.lineno}"
+        for name, path in _outside_store().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and said.search(node.value)
+    ]
+    assert wrong == []
+
+
+def test_the_rules_above_see_a_breach() -> None:
+    # The two checks above would pass on any tree if they never matched anything.
+    store_code = (ROOT / "store" / "sample_reads.py").read_text()
+    assert re.search(r"\bFROM\s+samples\b", store_code)
+    tree = ast.parse("rows = await store.pool.fetch('SELECT 1')")
+    assert any(isinstance(n, ast.Attribute) and n.attr == "pool" for n in ast.walk(tree))
 
 
 def test_no_import_cycle() -> None:

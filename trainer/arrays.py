@@ -8,11 +8,10 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-import asyncpg
 import numpy as np
 
+from trajstore.store import sample_reads
 from trajstore.store.tokens import decode_logprobs, decode_token_ids
-from trajstore.trainer import queries
 from trajstore.trainer.errors import SampleGone
 
 #: A sample's token ids (int32), loss mask (uint8) and behaviour logprobs (float32).
@@ -28,10 +27,11 @@ def decode_arrays(token_ids: bytes, loss_mask: bytes, logprobs: bytes) -> Arrays
 
 
 async def read_arrays(
-    conn: asyncpg.Connection, version: int, ids: Sequence[uuid.UUID]
+    source: sample_reads.Source, version: int, ids: Sequence[uuid.UUID]
 ) -> dict[uuid.UUID, Arrays]:
-    """The arrays of the given samples; `SampleGone` when one was removed meanwhile."""
-    rows = await conn.fetch(queries.READ_ARRAYS, version, list(ids))
+    """The arrays of the given samples (from the store, or one connection); `SampleGone` when
+    one was removed meanwhile."""
+    rows = await sample_reads.read_arrays(source, version, ids)
     found = {row["sample_id"]: decode_arrays(*row[1:]) for row in rows}
     missing = [i for i in ids if i not in found]
     if missing:

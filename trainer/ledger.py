@@ -32,9 +32,7 @@ from rich.console import Console
 from rich.table import Table
 from tensordict import TensorDict
 
-from trajstore.store import ConcurrencyError, EventStore, EventType, NewEvent
-from trajstore.store.connection import unavailable_as_store_error
-from trajstore.trainer import queries
+from trajstore.store import ConcurrencyError, EventStore, EventType, NewEvent, sample_reads
 from trajstore.trainer.arrays import decode_arrays
 from trajstore.trainer.collate import Layout, ReplaySample, collate
 from trajstore.trainer.errors import (
@@ -113,8 +111,7 @@ async def rebuild_step(store: EventStore, training_run: str, step: int) -> Tenso
     recorded = await read_step(store, training_run, step)
     entries = recorded["samples"]
     ids = [uuid.UUID(s["sample_id"]) for s in entries]
-    async with unavailable_as_store_error(), store.pool.acquire() as conn:
-        rows = {row["sample_id"]: row for row in await conn.fetch(queries.READ_SERVED_SAMPLES, ids)}
+    rows = {row["sample_id"]: row for row in await sample_reads.read_served(store, ids)}
     missing = [str(i) for i in ids if i not in rows]
     if missing:
         raise SampleGone(

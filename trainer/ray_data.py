@@ -8,7 +8,7 @@
     # in worker i: for batch in shards[i].iter_batches(batch_size=64): ...
 
 How it reads. The driver reads the selection's index (sample ids and projection version, one
-small query: `trainer.queries.SELECT_INDEX` with `Selection.where()`); the ids, sorted and
+small query: `store.sample_reads.read_index`); the ids, sorted and
 optionally shuffled with a seed, are cut into blocks of `rows_per_block`. Each block becomes one
 Ray task that fetches its rows from PostgreSQL and decodes the packed bytes (`trainer.arrays`,
 as the replay does), so the arrays never pass through the driver and the reading spreads over
@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import ray.data
 
+from trajstore.store import sample_reads
 from trajstore.store.connection import connect, unavailable_as_store_error
-from trajstore.trainer import queries
 from trajstore.trainer.arrays import Arrays, read_arrays
 from trajstore.trainer.errors import BadSelection
 from trajstore.trainer.selection import Selection
@@ -46,11 +46,10 @@ _INDEX_COLUMNS = ("session_id", "group_id", "reward", "policy_version_min", "n_t
 
 
 async def _read_index(url: str, selection: Selection) -> list[dict[str, Any]]:
-    where, arguments = selection.where()
     async with unavailable_as_store_error():
         conn = await connect(url, application_name="trajstore-ray-index")
         try:
-            rows = await conn.fetch(queries.SELECT_INDEX.format(where=where), *arguments)
+            rows = await sample_reads.read_index(conn, selection)
         finally:
             await conn.close()
     return [dict(row) for row in rows]

@@ -29,7 +29,6 @@ from pathlib import Path
 from tensordict import TensorDict
 
 from trajstore.store import EventStore
-from trajstore.store.connection import unavailable_as_store_error
 from trajstore.trainer import queries
 from trajstore.trainer.checkpoint import (
     TrainingState,
@@ -66,8 +65,7 @@ class RecipeConfig:
 
 async def recorded_steps(store: EventStore, training_run: str) -> int:
     """How many steps of `training_run` the ledger holds."""
-    async with unavailable_as_store_error(), store.pool.acquire() as conn:
-        steps: int = await conn.fetchval(queries.LEDGER_STEPS, training_stream(training_run))
+    steps: int = await store.fetchval(queries.LEDGER_STEPS, training_stream(training_run))
     return steps
 
 

@@ -27,9 +27,8 @@ import asyncpg
 import numpy as np
 from tensordict import TensorDict
 
-from trajstore.store import EventStore
-from trajstore.store.connection import unavailable_as_store_error
-from trajstore.trainer import lag, queries
+from trajstore.store import EventStore, sample_reads
+from trajstore.trainer import lag
 from trajstore.trainer.advantages import group_advantages
 from trajstore.trainer.arrays import Arrays, decode_arrays, read_arrays
 from trajstore.trainer.collate import Layout, ReplaySample, collate
@@ -67,11 +66,10 @@ async def open_store(source: str | EventStore) -> AsyncIterator[EventStore]:
 
 
 async def read_index(
-    conn: asyncpg.Connection, selection: Selection
+    source: sample_reads.Source, selection: Selection
 ) -> tuple[int | None, list[IndexEntry]]:
     """The selected samples, sorted by id, and the projection version they were read from."""
-    where, arguments = selection.where()
-    rows = await conn.fetch(queries.SELECT_INDEX.format(where=where), *arguments)
+    rows = await sample_reads.read_index(source, selection)
     version = rows[0]["projection_version"] if rows else None
     return version, [
         IndexEntry(
@@ -91,8 +89,7 @@ async def read_rewarded_index(
 ) -> tuple[int, list[IndexEntry]] | None:
     """`read_index` on a connection of its own, every selected sample checked for a reward
     (`check_rewards`); None when no sample is selected."""
-    async with unavailable_as_store_error(), store.pool.acquire() as conn:
-        version, entries = await read_index(conn, selection)
+    version, entries = await read_index(store, selection)
     if version is None:
         return None
     check_rewards(entries)
@@ -175,8 +172,7 @@ async def replay(
 
         async def fetch(chunk: list[list[list[int]]]) -> dict[uuid.UUID, Arrays]:
             ids = [ordered[i].sample_id for rows in chunk for row in rows for i in row]
-            async with unavailable_as_store_error(), store.pool.acquire() as conn:
-                return await read_arrays(conn, version, ids)
+            return await read_arrays(store, version, ids)
 
         # Read the next chunk's arrays while this chunk's batches are built and trained on.
         chunks = _chunks(plan, READ_AHEAD_SAMPLES)
@@ -350,17 +346,14 @@ async def replay_live(
     layout = Layout(batch_size, token_budget, pack)
     start = checkpoint or LiveCheckpoint()
     state = _LiveState(start.projected_tx, start.projected_seq, set(start.delivered))
-    where, arguments = selection.where()
-    n = len(arguments)
-    tail = queries.TAIL.format(where=where, tx=n + 1, seq=n + 2, limit=n + 3)
     loop = asyncio.get_running_loop()
     async with open_store(source) as store:
         if start.pending:
             await _reload_pending(store, start.pending, state)
         idle_since = loop.time()
         while True:
-            async with unavailable_as_store_error(), store.pool.acquire() as conn:
-                rows = await conn.fetch(tail, *arguments, state.tx, state.seq, read_limit)
+            after = (state.tx, state.seq)
+            rows = await sample_reads.read_tail(store, selection, after, read_limit)
             for row in rows:
                 state.tx, state.seq = int(row["projected_tx"]), int(row["projected_seq"])
                 entry, arrays = _entry(row)
@@ -390,8 +383,7 @@ async def replay_live(
 async def _reload_pending(store: EventStore, pending: Sequence[str], state: _LiveState) -> None:
     """Read the samples a checkpoint held back; those gone from the projection are logged."""
     ids = [uuid.UUID(i) for i in pending]
-    async with unavailable_as_store_error(), store.pool.acquire() as conn:
-        rows = await conn.fetch(queries.READ_SERVED_SAMPLES, ids)
+    rows = await sample_reads.read_served(store, ids)
     by_id = {row["sample_id"]: row for row in rows}
     for sample_id in ids:
         row = by_id.get(sample_id)

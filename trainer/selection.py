@@ -1,4 +1,5 @@
-"""Which samples to train on: a `Selection`, turned into one SQL WHERE clause over `samples`.
+"""Which samples to train on: a `Selection`, turned into one SQL WHERE clause over `samples` by
+the store's samples read API (`store.sample_reads.where`).
 
 A selection is a value (frozen, hashable), so the same selection and seed always mean the same
 batches, and it can be written into the training ledger. It knows nothing of batching.
@@ -13,7 +14,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
-from trajstore.store.queries import SERVED_SAMPLES_VERSION
+from trajstore.store import sample_reads
 from trajstore.trainer.errors import BadSelection
 
 #: Session statuses the projection writes: `completed`, `aborted`, `error`, `timeout`.
@@ -41,15 +42,6 @@ def _check_int(name: str, value: Any) -> None:
 def _check_range(low_name: str, low: Any, high_name: str, high: Any) -> None:
     if low is not None and high is not None and low > high:
         raise BadSelection(f"{low_name} ({low!r}) is above {high_name} ({high!r}): nothing fits")
-
-
-#: A lineage's last branch (`store.samples.rollout_rows`), over the unaliased `samples` table.
-_LINEAGE_TIP = (
-    "alternative_of IS NULL AND NOT EXISTS (SELECT 1 FROM samples later "
-    "WHERE later.session_id = samples.session_id "
-    "AND later.projection_version = samples.projection_version "
-    "AND later.lineage = samples.lineage AND later.branch > samples.branch)"
-)
 
 
 @dataclass(frozen=True)
@@ -144,42 +136,7 @@ class Selection:
         Put it after WHERE; append further conditions with AND and parameters numbered from
         `first_parameter + len(arguments)`.
         """
-        conditions: list[str] = []
-        arguments: list[Any] = []
-
-        def parameter(value: Any, cast: str) -> str:
-            arguments.append(value)
-            return f"${first_parameter + len(arguments) - 1}::{cast}"
-
-        if self.projection_version is None:
-            conditions.append(f"projection_version = {SERVED_SAMPLES_VERSION}")
-        else:
-            conditions.append(f"projection_version = {parameter(self.projection_version, 'int4')}")
-        conditions.append(f"status = ANY({parameter(list(self.statuses), 'text[]')})")
-        if self.runs:
-            conditions.append(f"run_id = ANY({parameter(list(self.runs), 'text[]')})")
-        if self.since is not None:
-            conditions.append(f"finished_at >= {parameter(self.since, 'timestamptz')}")
-        if self.until is not None:
-            conditions.append(f"finished_at < {parameter(self.until, 'timestamptz')}")
-        if self.min_policy_version is not None:
-            conditions.append(f"policy_version_min >= {parameter(self.min_policy_version, 'int8')}")
-        if self.max_policy_version is not None:
-            conditions.append(f"policy_version_max <= {parameter(self.max_policy_version, 'int8')}")
-        if self.min_reward is not None:
-            conditions.append(f"reward >= {parameter(float(self.min_reward), 'float8')}")
-        if self.max_reward is not None:
-            conditions.append(f"reward <= {parameter(float(self.max_reward), 'float8')}")
-        if self.tags:
-            conditions.append(f"tags @> {parameter(list(self.tags), 'text[]')}")
-        if self.final_only:
-            conditions.append("is_final")
-        if self.rollouts:
-            conditions.append(_LINEAGE_TIP)
-        if self.max_staleness is not None and self.current_policy_version is not None:
-            oldest = self.current_policy_version - self.max_staleness
-            conditions.append(f"policy_version_min >= {parameter(oldest, 'int8')}")
-        return " AND ".join(conditions), arguments
+        return sample_reads.where(self, first_parameter)
 
     def staleness(self, policy_version_min: int | None) -> int:
         """How many versions a sample's oldest turn is behind the current policy (-1: unknown).

@@ -18,23 +18,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from trajstore.store import EventStore
-from trajstore.store.connection import unavailable_as_store_error
+from trajstore.store import EventStore, sample_reads
 from trajstore.store.tokens import decode_logprobs, decode_token_ids
 from trajstore.trainer.advantages import group_advantages
 from trajstore.trainer.selection import Selection
 
 if TYPE_CHECKING:
     from datasets import Dataset  # type: ignore[import-untyped,unused-ignore]
-
-#: The selected samples, one row each, in sample id order (`{where}`: `Selection.where()`).
-SELECT_SAMPLES = """
-SELECT sample_id, session_id, run_id, task_id, group_id, lineage, role, branch, is_final, status,
-       finish_reason, reward, policy_version_min, prompt_len, token_ids, loss_mask, logprobs
-FROM samples
-WHERE {where}
-ORDER BY sample_id
-"""
 
 #: The columns of `samples_dataset`, in order.
 DATASET_COLUMNS = (
@@ -50,11 +40,9 @@ async def read_samples_table(source: str | EventStore, selection: Selection | No
     import pyarrow as pa
 
     selection = selection or Selection()
-    where, arguments = selection.where()
     store = source if isinstance(source, EventStore) else await EventStore.open(source, max_size=1)
     try:
-        async with unavailable_as_store_error(), store.pool.acquire() as conn:
-            rows = await conn.fetch(SELECT_SAMPLES.format(where=where), *arguments)
+        rows = await sample_reads.read_dataset(store, selection)
     finally:
         if store is not source:
             await store.close()

@@ -62,7 +62,6 @@ from verl.protocol import DataProto
 from verl.utils.model import compute_position_id_with_mask
 
 from trajstore.store import EventStore
-from trajstore.store.connection import unavailable_as_store_error
 from trajstore.trainer.arrays import read_arrays
 from trajstore.trainer.errors import BadSelection
 from trajstore.trainer.replay import (
@@ -273,8 +272,7 @@ async def verl_batches(
         for start in range(0, len(ordered), size):
             chunk = ordered[start : start + size]
             ids: list[uuid.UUID] = [e.sample_id for e in chunk]
-            async with unavailable_as_store_error(), store.pool.acquire() as conn:
-                arrays = await read_arrays(conn, version, ids)
+            arrays = await read_arrays(store, version, ids)
             yield collate_verl(
                 [_row(e, arrays[e.sample_id], selection, advantage_of[e.sample_id]) for e in chunk],
                 prompt_length=prompt_length,

@@ -37,10 +37,8 @@ import orjson
 import torch
 from tensordict import TensorDict
 
-from trajstore.store import EventStore
-from trajstore.store.connection import unavailable_as_store_error
+from trajstore.store import EventStore, sample_reads
 from trajstore.store.queries import READ_IMAGES
-from trajstore.trainer import queries
 from trajstore.trainer.collate import sample_ids
 from trajstore.trainer.errors import ImageMismatch
 
@@ -99,15 +97,14 @@ async def read_images(
 ) -> dict[str, list[tuple[dict[str, Any], bytes | None]]]:
     """Each sample's images (served projection), in placeholder order, with their bytes (None
     for a URL image, or one whose `image_recorded` event the session lacks)."""
-    async with unavailable_as_store_error(), store.pool.acquire() as conn:
-        rows = await conn.fetch(queries.READ_SAMPLE_IMAGES, [uuid.UUID(str(i)) for i in ids])
-        listed = {
-            str(row["sample_id"]): (row["session_id"], orjson.loads(row["images"] or "[]"))
-            for row in rows
-        }
-        sessions = sorted({session for session, images in listed.values() if images})
-        hashes = sorted({i["sha256"] for _, images in listed.values() for i in images if i})
-        found = await conn.fetch(READ_IMAGES, sessions, hashes) if hashes else []
+    rows = await sample_reads.read_images(store, [uuid.UUID(str(i)) for i in ids])
+    listed = {
+        str(row["sample_id"]): (row["session_id"], orjson.loads(row["images"] or "[]"))
+        for row in rows
+    }
+    sessions = sorted({session for session, images in listed.values() if images})
+    hashes = sorted({i["sha256"] for _, images in listed.values() for i in images if i})
+    found = await store.fetch(READ_IMAGES, sessions, hashes) if hashes else []
     data = {row["sha256"]: base64.b64decode(row["data"]) for row in found}
     return {
         sample: [(image, data.get(image.get("sha256") or "")) for image in images]

@@ -37,6 +37,7 @@ from rich.table import Table
 from trajstore.client import AsyncClient
 from trajstore.proxy.options import proxy_settings
 from trajstore.stack import backends, serving, viewer_settings
+from trajstore.store import sample_reads
 from trajstore.store.eventstore import EventStore
 from trajstore.store.settings import store_settings_of
 from trajstore.store.sql import print_query
@@ -204,8 +205,7 @@ async def wait_for_samples(
     """Wait until the live projector has made samples of all `sessions` of the run."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    sql = "SELECT count(DISTINCT session_id) FROM samples WHERE run_id = $1"
-    while (done := await store.pool.fetchval(sql, run_id)) < sessions:
+    while (done := await sample_reads.sessions_with_samples(store, run_id)) < sessions:
         if projector.done():
             projector.result()  # raise why it stopped
             raise click.ClickException("the projector stopped; see the errors above")
@@ -234,8 +234,7 @@ async def train_on_samples(
     if model_dir is None:
         return None
     async with await EventStore.open(database_url) as store:
-        sql = "SELECT count(*) FROM samples WHERE run_id = $1 AND status = 'completed'"
-        if not await store.pool.fetchval(sql, run_id):
+        if not await sample_reads.completed_samples(store, run_id):
             return None
     return await train_steps(
         database_url, run_id, model_dir, steps, training_run=f"{run_id}-train", on_step=on_step
@@ -259,20 +258,15 @@ def summary_queries(run_id: str) -> dict[str, str]:
             f"FROM turns WHERE run_id = '{run}' AND status = 'completed'\n"
             "GROUP BY finish_reason ORDER BY turns DESC"
         ),
-        # One sample per session when every turn extends the last (proxy.continuation).
+        # One sample per session when every turn extends the last (proxy.continuation); the
+        # view counts each session's samples in the served projection, alternatives left out.
         "samples and divergences": (
-            "WITH t AS (SELECT count(*) AS sessions, sum(turns) AS turns,\n"
-            "                  sum(continued_turns) AS continued_turns,\n"
-            "                  sum(drift_avoided) AS drift_avoided,\n"
-            "                  sum(divergences) AS divergences\n"
-            f"           FROM trajectories WHERE run_id = '{run}'),\n"
-            "     s AS (SELECT count(*) AS samples FROM samples JOIN projection_serving p\n"
-            "             ON p.name = 'samples' AND samples.projection_version = p.version\n"
-            f"           WHERE samples.run_id = '{run}' AND samples.alternative_of IS NULL)\n"
-            "SELECT t.sessions, t.turns, t.continued_turns, t.drift_avoided, s.samples,\n"
-            "       round(s.samples::numeric / nullif(t.sessions, 0), 2) AS samples_per_session,\n"
-            "       t.divergences\n"
-            "FROM t, s"
+            "SELECT count(*) AS sessions, sum(turns) AS turns,\n"
+            "       sum(continued_turns) AS continued_turns, sum(drift_avoided) AS drift_avoided,\n"
+            "       sum(samples) AS samples,\n"
+            "       round(sum(samples)::numeric / nullif(count(*), 0), 2) AS samples_per_session,\n"
+            "       sum(divergences) AS divergences\n"
+            f"FROM trajectories WHERE run_id = '{run}'"
         ),
     }
 

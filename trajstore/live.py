@@ -165,16 +165,6 @@ async def _resume(
     return state, live
 
 
-async def rewards_by_version(store: EventStore, run_id: str) -> list[tuple[int, int, float]]:
-    """(policy version, sessions, mean reward) of a run's samples, by the version that made them."""
-    rows = await store.pool.fetch(
-        "SELECT policy_version_min AS v, count(*) AS n, avg(reward) AS r FROM samples "
-        "WHERE run_id = $1 AND is_final GROUP BY 1 ORDER BY 1",
-        run_id,
-    )
-    return [(int(r["v"]), int(r["n"]), float(r["r"])) for r in rows if r["v"] is not None]
-
-
 def summary(rewards: list[float]) -> tuple[float, float]:
     """Mean and its standard error."""
     n = len(rewards)

@@ -405,4 +405,3 @@ async def _serve_until_signal(
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
-

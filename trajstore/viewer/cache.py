@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from trajstore.store.connection import unavailable_as_store_error
 from trajstore.store.events import RecordedEvent
 from trajstore.store.eventstore import EventStore
 from trajstore.store.samples import Sample, build_samples
@@ -96,6 +95,6 @@ class SessionCache:
 
 async def session_head(store: EventStore, session_id: str) -> Head:
     """How many events the session has and its last position."""
-    async with unavailable_as_store_error():
-        row = await store.pool.fetchrow(queries.SESSION_HEAD, session_id)
+    row = await store.fetchrow(queries.SESSION_HEAD, session_id)
+    assert row is not None  # an aggregate: always one row
     return int(row["n_events"]), int(row["last_position"])

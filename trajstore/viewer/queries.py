@@ -81,15 +81,6 @@ SELECT count(*)::int AS n_events, coalesce(max(position), 0) AS last_position
 FROM events WHERE session_id = $1
 """
 
-#: The session's rows in the served samples projection (what the trainer reads).
-PROJECTED_SAMPLES = """
-SELECT sample_id, branch, alternative_of, projection_version, projected_at
-FROM samples
-WHERE session_id = $1
-  AND projection_version = (SELECT version FROM projection_serving WHERE name = 'samples')
-ORDER BY branch, alternative_of NULLS FIRST
-"""
-
 #: One image a session recorded (`image_recorded`), by its hash: its media type and base64 data.
 SESSION_IMAGE = """
 SELECT payload ->> 'media_type' AS media_type, payload ->> 'data' AS data FROM events

@@ -18,7 +18,6 @@ import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse
 
-from trajstore.store.connection import unavailable_as_store_error
 from trajstore.viewer import queries
 from trajstore.viewer.errors import BadFilter, PageNotFound
 from trajstore.viewer.state import Viewer, viewer
@@ -37,8 +36,7 @@ MAX_SERIES = 8
 @router.get("/", response_class=HTMLResponse)
 async def runs_page(request: Request, app: ViewerDep) -> HTMLResponse:
     """Every run, newest first, with its sessions by status."""
-    async with unavailable_as_store_error():
-        rows = await app.store.pool.fetch(queries.RUNS)
+    rows = await app.store.fetch(queries.RUNS)
     found: dict[str, dict[str, Any]] = {}
     for row in rows:
         run = found.setdefault(row["run_id"], {"run_id": row["run_id"], "sessions": 0,
@@ -196,15 +194,14 @@ def run_figures(rows: list[Any]) -> dict[str, Any]:
 async def run_page(request: Request, app: ViewerDep, run_id: str) -> HTMLResponse:
     """One run: its figures and plots, and its sessions' table."""
     chosen = SessionFilter.parse(dict(request.query_params))
-    pool = app.store.pool
-    async with unavailable_as_store_error():
-        if not await pool.fetchval(queries.RUN_EXISTS, run_id):
-            raise PageNotFound(f"no run {run_id!r} in the store")
-        rows = await pool.fetch(queries.RUN_SESSIONS, run_id, MAX_PLOTTED)
-        page = await pool.fetch(
-            queries.sessions_page(chosen.sort, chosen.descending), run_id, *chosen.arguments(),
-            SESSIONS_PER_PAGE, (chosen.page - 1) * SESSIONS_PER_PAGE,
-        )  # fmt: skip
+    store = app.store
+    if not await store.fetchval(queries.RUN_EXISTS, run_id):
+        raise PageNotFound(f"no run {run_id!r} in the store")
+    rows = await store.fetch(queries.RUN_SESSIONS, run_id, MAX_PLOTTED)
+    page = await store.fetch(
+        queries.sessions_page(chosen.sort, chosen.descending), run_id, *chosen.arguments(),
+        SESSIONS_PER_PAGE, (chosen.page - 1) * SESSIONS_PER_PAGE,
+    )  # fmt: skip
     total = page[0]["total"] if page else 0
     context = {
         "run_id": run_id,

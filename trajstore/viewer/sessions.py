@@ -24,7 +24,7 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
-from trajstore.store.connection import unavailable_as_store_error
+from trajstore.store import sample_reads
 from trajstore.viewer import queries
 from trajstore.viewer.cache import SessionView, session_head
 from trajstore.viewer.errors import BadFilter, PageNotFound
@@ -84,8 +84,7 @@ async def _context(request: Request, app: Viewer, session_id: str, page: str | N
     pages = max(1, math.ceil(len(view.session.turns) / TURNS_PER_PAGE))
     if number > pages:
         raise PageNotFound(f"session {session_id!r} has {pages} page(s) of turns, not {number}")
-    async with unavailable_as_store_error():
-        projected = await app.store.pool.fetch(queries.PROJECTED_SAMPLES, session_id)
+    projected = await sample_reads.session_samples(app.store, session_id)
     first = (number - 1) * TURNS_PER_PAGE
     tree = view.lineages
     assert tree is not None
@@ -177,8 +176,7 @@ async def session_image(app: ViewerDep, session_id: str, sha256: str) -> Respons
     for the strip's thumbnails. Its hash names it, so it never changes: cached for good."""
     if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
         raise BadFilter(f"an image is named by its sha256 (64 hex digits), not {sha256!r}")
-    async with unavailable_as_store_error(), app.store.pool.acquire() as conn:
-        row = await conn.fetchrow(queries.SESSION_IMAGE, session_id, sha256)
+    row = await app.store.fetchrow(queries.SESSION_IMAGE, session_id, sha256)
     if row is None:
         raise PageNotFound(f"session {session_id!r} recorded no data image {sha256}")
     media_type = row["media_type"] or ""
