@@ -392,7 +392,7 @@ async def run_episode(
             log.warning("trajstore session %s: %s (%s)", sid, status, reason)
             reward = settings.failure_reward
         if reward is not None:
-            source = "agent" if failure is None else f"trajstore.verl_loop:{status}"
+            source = "agent" if failure is None else f"trajstore.rollout.verl_loop:{status}"
             await session.reward(reward, source=source)
         with contextlib.suppress(SessionClosed):  # the proxy finished it (its deadline) first
             await session.finish(status, reason=reason)
