@@ -23,6 +23,7 @@ from typing import Any, overload
 import asyncpg
 import orjson
 
+from trajstore.store import payloads_request, payloads_session  # noqa: F401  (registers the contract)
 from trajstore.store.errors import BadEvent, PayloadTooLarge
 from trajstore.store.payloads import Payload, dump
 from trajstore.store.tokens import (

@@ -16,9 +16,9 @@ what the recorder wrote before the contract was code, and the SQL views read it 
 
 The contract itself, one class per event type, is declared by concept beside this module:
 `store.payloads_session` (a session's own facts and the trainer's steps) and
-`store.payloads_request` (one model request's events). Importing this module registers them all;
-`catalogue()` (`python -m trajstore.store.payloads --catalogue`) prints them as the table
-docs/architecture.md holds.
+`store.payloads_request` (one model request's events); `store.events` imports them, so every
+reader of the store has them registered. `catalogue()` (`python -m trajstore.store.payloads
+--catalogue`) prints them as the table docs/architecture.md holds.
 """
 
 from __future__ import annotations
@@ -142,6 +142,3 @@ def upcast(event_type: str, raw: Mapping[str, Any]) -> dict[str, Any]:
         return dict(raw)
     return dump(load(event_type, raw))
 
-
-# The contract's declarations register themselves on import; a reader of `load` gets them all.
-from trajstore.store import payloads_request, payloads_session  # noqa: E402,F401
