@@ -17,8 +17,8 @@ what the recorder wrote before the contract was code, and the SQL views read it 
 The contract itself, one class per event type, is declared by concept beside this module:
 `store.payloads_session` (a session's own facts and the trainer's steps) and
 `store.payloads_request` (one model request's events); `store.events` imports them, so every
-reader of the store has them registered. `catalogue()` (`python -m trajstore.store.payloads
---catalogue`) prints them as the table docs/architecture.md holds.
+reader of the store has them registered. `python -m trajstore.store.catalogue` prints them as the
+catalogue docs/architecture.md holds (`store.catalogue`).
 """
 
 from __future__ import annotations
@@ -141,4 +141,3 @@ def upcast(event_type: str, raw: Mapping[str, Any]) -> dict[str, Any]:
     if event_type not in PAYLOADS:
         return dict(raw)
     return dump(load(event_type, raw))
-

@@ -117,8 +117,8 @@ class PromptTokens(Payload):
     """`prompt_tokens`: the prompt the engine saw (the event's token ids: all of it, or the ids
     after `prefix`).
 
-    Version 2 (this release) reads `continuation.audit`; version 1 logs wrote no audit flag
-    while every continued turn was rendered to measure its drift, which the upcaster says.
+    Version 2 names the continued turn and says whether it was audited (`Continuation`);
+    version 1 left both to be inferred, which its upcaster does.
     """
 
     event_type = "prompt_tokens"
@@ -133,12 +133,19 @@ class PromptTokens(Payload):
 
 
 @upcaster("prompt_tokens", 1)
-def _audited_continuations(raw: dict[str, Any]) -> dict[str, Any]:
-    """v1 -> v2: a continued turn recorded before the audit flag existed (releases up to
-    migration 0016's: {choice, drift_at}) was rendered whole to measure drift: audit true."""
+def _continued_turn_and_audit(raw: dict[str, Any]) -> dict[str, Any]:
+    """A continued prompt of version 1 names the turn it continued by its `prefix` alone, and
+    was audited where it holds `drift_at` (the releases before per-lineage continuation
+    audited every turn and always wrote it; those after wrote it only on audited turns)."""
     continuation = raw.get("continuation")
-    if isinstance(continuation, dict) and "choice" in continuation:
-        raw["continuation"] = {"audit": True, **continuation}
+    if raw.get("prompt_source") == "continued" and isinstance(continuation, dict):
+        prefix = raw.get("prefix")
+        continued = prefix.get("request_id") if isinstance(prefix, dict) else None
+        raw["continuation"] = {
+            "request_id": continued,
+            **continuation,
+            "audit": "drift_at" in continuation,
+        }
     return raw
 
 
