@@ -95,18 +95,38 @@ def dump(payload: BaseModel) -> dict[str, Any]:
 def _fields(model: BaseModel) -> dict[str, Any]:
     # The field values as they are (no copy of a body of thousands of messages: orjson writes
     # them); pydantic's model_dump would walk and copy every value, several times the cost of
-    # the whole event on the recorder's path.
-    given = model.model_fields_set
-    raw = {name: _plain(value) for name, value in model.__dict__.items() if name in given}
+    # the whole event on the recorder's path. Only fields that can hold a model are converted.
+    given = model.__pydantic_fields_set__
+    raw = {name: value for name, value in model.__dict__.items() if name in given}
+    for name in _nested(type(model)) & given:
+        raw[name] = _plain(raw[name])
     if model.__pydantic_extra__:
         raw.update(model.__pydantic_extra__)
     return raw
 
 
+#: model class -> the names of its fields whose type holds a model (dumped field by field).
+_NESTED: dict[type[BaseModel], frozenset[str]] = {}
+
+
+def _nested(cls: type[BaseModel]) -> frozenset[str]:
+    names = _NESTED.get(cls)
+    if names is None:
+        fields = cls.model_fields.items()
+        names = _NESTED[cls] = frozenset(n for n, f in fields if _holds_model(f.annotation))
+    return names
+
+
+def _holds_model(annotation: Any) -> bool:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_holds_model(arg) for arg in getattr(annotation, "__args__", ()))
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, BaseModel):
         return _fields(value)
-    if type(value) is list and value and isinstance(value[0], BaseModel):
+    if isinstance(value, list):
         return [_plain(item) for item in value]
     return value
 
