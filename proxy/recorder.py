@@ -3,8 +3,8 @@
 Every request gets its own stream (`request-<id>`), numbered by this recorder alone, so replicas
 never contend (see `store.events`). Nothing here awaits the database: events go to the
 `EventWriter`'s queue, and only when that queue is over its hard limit does `put()` wait, which
-slows the stream instead of dropping tokens. The event payloads are the contract documented in
-`store.sessions`.
+slows the stream instead of dropping tokens. Each event's payload is built as its typed model
+(`store.payloads_request`; the prose is in `store.sessions`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """A session as recorded, rebuilt from its events: what `GET /sessions/{id}` shows.
 
-This is the contract between the recorder (which writes these events) and every reader of them.
-A session's events live in two kinds of streams (see `store.events`):
+This is the prose of the contract between the recorder (which writes these events) and every
+reader of them; its code, one typed payload class per event type with the upcasters that read
+older shapes, is `store.payloads_session` and `store.payloads_request` (the generated catalogue
+is in docs/architecture.md). A session's events live in two kinds of streams (see
+`store.events`):
 
 `session-<id>`
     session_created    {run_id, task_id, group_id, metadata, deadline_s, created_at}
