@@ -30,6 +30,7 @@ from trajstore.store.payloads_request import (
     CompletionFinished,
     Continuation,
     FinishedChoice,
+    MessagesPrefix,
     PromptPrefix,
     PromptTokens,
     RequestFailed,
@@ -211,7 +212,7 @@ class RequestRecorder:
             # Only chat stores messages by reference: the other APIs' bodies are their own.
             reference = self._messages_reference()
             if reference is not None:
-                payload["body"] = {**body, "messages": recorded[reference["n_messages"] :]}
+                payload["body"] = {**body, "messages": recorded[reference.n_messages :]}
                 payload["messages_prefix"] = reference
             elif recorded is not messages:
                 payload["body"] = {**body, "messages": recorded}
@@ -245,7 +246,7 @@ class RequestRecorder:
         """The request's messages as orjson serialises them (chat; b"" otherwise)."""
         return self._messages[1]
 
-    def _messages_reference(self) -> dict[str, Any] | None:
+    def _messages_reference(self) -> MessagesPrefix | None:
         """The deepest remembered chat turn whose messages this request repeats first, as
         `messages_prefix` (then its body stores only the rest); else None.
 
@@ -255,7 +256,7 @@ class RequestRecorder:
         """
         for turn in self.candidates:
             if turn.api == "chat" and turn.n_messages:
-                return {"request_id": turn.request_id, "n_messages": turn.n_messages}
+                return MessagesPrefix(request_id=turn.request_id, n_messages=turn.n_messages)
         return None
 
     async def emit(self, event: NewEvent) -> None:
