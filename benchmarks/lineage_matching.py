@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from trajstore.store.payloads_request import PromptPrefix
+from trajstore.store.payloads_session import RewardAssigned
 from trajstore.store.records import ChoiceRecord, SessionRecord, TurnRecord
 from trajstore.store.samples import Sample, build_samples
 from trajstore.store.tokens import encode_token_ids, shared_prefix
@@ -39,7 +41,7 @@ class _Session:
     def __init__(self, seed: int) -> None:
         self.rng = np.random.default_rng(seed)
         self.record = SessionRecord(f"s{seed}", run_id="bench", status="completed", packed=True)
-        self.record.rewards = [{"value": 1.0}]
+        self.record.rewards = [RewardAssigned(value=1.0)]
         self.states: dict[str, bytes] = {}
         self.tokens = 0
 
@@ -57,7 +59,7 @@ class _Session:
         if continues is not None:
             shared = shared_prefix(prompt, self.states[continues])
             if shared >= 16:
-                prefix = {"request_id": continues, "n_tokens": shared}
+                prefix = PromptPrefix(request_id=continues, n_tokens=shared)
                 turn.prompt_prefix, turn.prompt_added = prefix, prompt[_ID * shared :]
         self.record.prompts.add(request_id, turn.prompt_added, prefix)
         self.record.prompts.completed(request_id, ids)

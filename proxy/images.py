@@ -32,6 +32,7 @@ from trajstore.proxy.apis.base import ImagePart
 from trajstore.proxy.errors import BadRequest, PayloadTooLarge
 from trajstore.store.events import MAX_PAYLOAD_BYTES
 from trajstore.store.images import REFERENCE_PREFIX, image_parts, part_url, reference
+from trajstore.store.payloads_request import ImageRecorded
 
 #: The largest image one `image_recorded` event can hold: its base64 text is 4/3 of its bytes,
 #: and the event's payload has a few hundred bytes besides.
@@ -53,17 +54,17 @@ class Image:
     data: str | None = None  #: source data: the base64 text as sent (checked)
     n_bytes: int | None = None  #: source data: the decoded size
 
-    def payload(self) -> dict[str, Any]:
+    def payload(self) -> ImageRecorded:
         """The `image_recorded` event's payload."""
         if self.source == "url":
-            return {"sha256": self.sha256, "source": "url", "url": self.url}
-        return {
-            "sha256": self.sha256,
-            "source": "data",
-            "media_type": self.media_type,
-            "n_bytes": self.n_bytes,
-            "data": self.data,
-        }
+            return ImageRecorded(sha256=self.sha256, source="url", url=self.url)
+        return ImageRecorded(
+            sha256=self.sha256,
+            source="data",
+            media_type=self.media_type,
+            n_bytes=self.n_bytes,
+            data=self.data,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from typing import Any
 from trajstore.proxy.errors import ProxyError
 from trajstore.proxy.sessions import Finish, SessionRegistry
 from trajstore.store import ConcurrencyError, EventStore, EventType, NewEvent, StoreError, queries
+from trajstore.store.payloads_request import RequestFailed
 
 log = logging.getLogger(__name__)
 
@@ -131,25 +132,25 @@ class Reaper:
         return bool(gone_for >= self.lost_after and row["idle_s"] >= self.lost_after)
 
     async def _fail(self, row: Any) -> bool:
-        payload = {
-            "reason": "replica_lost",
-            "status": None,
-            "message": f"proxy replica {row['replica']} went away while serving this request; "
+        failed = RequestFailed(
+            reason="replica_lost",
+            status=None,
+            message=f"proxy replica {row['replica']} went away while serving this request; "
             "the tokens that reached the log are kept",
-            "latency_s": None,
-            "partial_tokens": {"0": row["tokens"]},
-        }
+            latency_s=None,
+            partial_tokens={"0": row["tokens"]},
+        )
         event = NewEvent(
             EventType.REQUEST_FAILED,
             session_id=row["session_id"],
             run_id=row["run_id"],
-            payload=payload,
+            payload=failed,
         )
         try:
             await self.store.append(row["stream_id"], [event], expected_version=row["version"])
         except ConcurrencyError:
             return False  # another reaper was first, or the replica wrote after all
-        log.warning("%s: %s", row["stream_id"], payload["message"])
+        log.warning("%s: %s", row["stream_id"], failed.message)
         return True
 
     async def _time_out(self, session_id: str, idle_s: float) -> bool:

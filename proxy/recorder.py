@@ -3,8 +3,8 @@
 Every request gets its own stream (`request-<id>`), numbered by this recorder alone, so replicas
 never contend (see `store.events`). Nothing here awaits the database: events go to the
 `EventWriter`'s queue, and only when that queue is over its hard limit does `put()` wait, which
-slows the stream instead of dropping tokens. The event payloads are the contract documented in
-`store.sessions`.
+slows the stream instead of dropping tokens. Each event's payload is built as its typed model
+(`store.payloads_request`; the prose is in `store.sessions`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,18 @@ from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, referenced, referenc
 from trajstore.proxy.lineages import Ending, SessionTurns, Turn, messages_key, render_key
 from trajstore.proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
 from trajstore.store import BadEvent, EventType, EventWriter, NewEvent, request_stream
+from trajstore.store.payloads import Payload, dump
+from trajstore.store.payloads_request import (
+    CompletionChunk,
+    CompletionFinished,
+    Continuation,
+    FinishedChoice,
+    MessagesPrefix,
+    PromptPrefix,
+    PromptTokens,
+    RequestFailed,
+    RequestReceived,
+)
 from trajstore.store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
 
 #: A prompt is stored as a reference to an earlier turn of the session when it shares at least
@@ -39,6 +51,24 @@ def _without_nul(value: Any) -> Any:
     if isinstance(value, list):
         return [_without_nul(v) for v in value]
     return value
+
+
+def _prompt_source(plan: Plan) -> dict[str, Any]:
+    """What the prompt_tokens event records of how the prompt reached the engine: continued
+    (the turn and choice, whether audited, the drift measured) or rendered (and why)."""
+    if plan.source == "continued":
+        request_id = None if plan.turn is None else plan.turn.request_id
+        # drift_at is there only when measured (an audited turn): null would say "no drift".
+        if plan.audit:
+            continued = Continuation(
+                request_id=request_id, choice=plan.choice, audit=True, drift_at=plan.drift_at
+            )
+        else:
+            continued = Continuation(request_id=request_id, choice=plan.choice, audit=False)
+        return {"prompt_source": "continued", "continuation": continued}
+    if plan.fallback is not None:
+        return {"prompt_source": "rendered", "continuation": Continuation(fallback=plan.fallback)}
+    return {"prompt_source": "rendered"}
 
 
 def new_request_id() -> str:
@@ -147,7 +177,7 @@ class RequestRecorder:
         """
         chat = body if chat is None else chat
         self.api = api
-        payload = {
+        payload: dict[str, Any] = {
             "request_id": self.request_id,
             "api": api,
             "body": body,
@@ -182,11 +212,11 @@ class RequestRecorder:
             # Only chat stores messages by reference: the other APIs' bodies are their own.
             reference = self._messages_reference()
             if reference is not None:
-                payload["body"] = {**body, "messages": recorded[reference["n_messages"] :]}
+                payload["body"] = {**body, "messages": recorded[reference.n_messages :]}
                 payload["messages_prefix"] = reference
             elif recorded is not messages:
                 payload["body"] = {**body, "messages": recorded}
-        return self._event(EventType.REQUEST_RECEIVED, payload)
+        return self._event(RequestReceived(**payload))
 
     def _take_images(
         self, messages: list[Any], payload: dict[str, Any], images: list[ImagePart]
@@ -206,7 +236,7 @@ class RequestRecorder:
             payload["image_token_id"] = self.image_token_id
         for sha256, image in found.images.items():
             if sha256 not in self._images:
-                self._outbox.append(self._event(EventType.IMAGE_RECORDED, image.payload()))
+                self._outbox.append(self._event(image.payload()))
         self._images = self._images | found.images.keys()
         self.turns.images = self._images  # later requests of the session refer to them
         return found.messages
@@ -216,7 +246,7 @@ class RequestRecorder:
         """The request's messages as orjson serialises them (chat; b"" otherwise)."""
         return self._messages[1]
 
-    def _messages_reference(self) -> dict[str, Any] | None:
+    def _messages_reference(self) -> MessagesPrefix | None:
         """The deepest remembered chat turn whose messages this request repeats first, as
         `messages_prefix` (then its body stores only the rest); else None.
 
@@ -226,7 +256,7 @@ class RequestRecorder:
         """
         for turn in self.candidates:
             if turn.api == "chat" and turn.n_messages:
-                return {"request_id": turn.request_id, "n_messages": turn.n_messages}
+                return MessagesPrefix(request_id=turn.request_id, n_messages=turn.n_messages)
         return None
 
     async def emit(self, event: NewEvent) -> None:
@@ -263,7 +293,7 @@ class RequestRecorder:
         choices = []
         for index in sorted(self._choices):
             buffer = self._choices[index]
-            choice = {
+            choice: dict[str, Any] = {
                 "index": index,
                 "finish_reason": buffer.finish_reason,
                 "stop_reason": buffer.stop_reason,
@@ -273,28 +303,28 @@ class RequestRecorder:
             if self.finish_reason_in_api is not None:
                 ending = self.finish_reason_in_api(buffer.finish_reason, buffer.stop_reason)
                 choice["api_finish_reason"] = ending
-            choices.append(choice)
+            choices.append(FinishedChoice(**choice))
         now = time.monotonic()
-        payload = {
-            "choices": choices,
-            "usage": usage,
-            "latency_s": now - self.started,
-            "ttft_s": None if self.first_token_at is None else self.first_token_at - self.started,
-        }
-        await self.emit(self._event(EventType.COMPLETION_FINISHED, payload))
+        finished = CompletionFinished(
+            choices=choices,
+            usage=usage,
+            latency_s=now - self.started,
+            ttft_s=None if self.first_token_at is None else self.first_token_at - self.started,
+        )
+        await self.emit(self._event(finished))
         self.ended = True
         # A later turn may reference and continue this one, once it is whole.
         whole = sorted(self._choices) == list(range(len(self._choices)))
         if self.on_completed is not None and self._prompt is not None and whole:
             self.on_completed(self._as_turn(choices), self._extended(), self.plan.turn)
 
-    def _as_turn(self, finished: list[dict[str, Any]]) -> Turn:
+    def _as_turn(self, finished: list[FinishedChoice]) -> Turn:
         endings = tuple(
             Ending(
-                b"".join(self._completions.get(c["index"], ())),
-                c["finish_reason"],
-                c["stop_reason"],
-                c["message"],
+                b"".join(self._completions.get(c.index, ())),
+                c.finish_reason,
+                c.stop_reason,
+                c.message,
             )
             for c in finished
         )
@@ -323,14 +353,14 @@ class RequestRecorder:
             return
         self._all_chunks()
         await self.drain()
-        payload = {
-            "reason": reason,
-            "status": status,
-            "message": message,
-            "latency_s": time.monotonic() - self.started,
-            "partial_tokens": {str(i): b.n_tokens for i, b in sorted(self._choices.items())},
-        }
-        await self.emit(self._event(EventType.REQUEST_FAILED, payload))
+        failure = RequestFailed(
+            reason=reason,
+            status=status,
+            message=message,
+            latency_s=time.monotonic() - self.started,
+            partial_tokens={str(i): b.n_tokens for i, b in sorted(self._choices.items())},
+        )
+        await self.emit(self._event(failure))
         self.ended = True
 
     # -- internals ----------------------------------------------------------------------------
@@ -348,7 +378,7 @@ class RequestRecorder:
             if self.plan.source == "continued" and packed != self.plan.packed:
                 # The engine rendered the messages itself: its echo is the truth, and says so.
                 self.plan = RENDERED._replace(fallback="engine_ignored_token_prompt")
-            payload |= self.plan.as_json()
+            payload |= _prompt_source(self.plan)
             if self.on_prompt is not None:
                 self.on_prompt(self.plan)
         # Stored against the turn it continues, else the deepest whose messages it repeats,
@@ -357,19 +387,19 @@ class RequestRecorder:
         self._reference = reference
         shared = 0 if reference is None else shared_prefix(packed, reference.tokens)
         if reference is None or shared < MIN_SHARED_TOKENS:
-            return self._event(EventType.PROMPT_TOKENS, payload, token_ids=ids)
-        payload["prefix"] = {"request_id": reference.request_id, "n_tokens": shared}
+            return self._event(PromptTokens(**payload), token_ids=ids)
+        payload["prefix"] = PromptPrefix(request_id=reference.request_id, n_tokens=shared)
         payload["n_tokens"] = len(ids)
-        return self._event(EventType.PROMPT_TOKENS, payload, token_ids=ids[shared:])
+        return self._event(PromptTokens(**payload), token_ids=ids[shared:])
 
     def _event(
         self,
-        event_type: EventType,
-        payload: dict[str, Any],
+        payload: Payload,
         *,
         token_ids: list[int] | np.ndarray | None = None,
         logprobs: list[float] | None = None,
     ) -> NewEvent:
+        event_type = EventType(payload.event_type)
         try:
             return NewEvent(
                 event_type,
@@ -385,12 +415,8 @@ class RequestRecorder:
         # PostgreSQL's jsonb cannot hold U+0000, which models do emit (and tool output may
         # carry). The text in a payload is for people; the token ids are the record, and they
         # are kept exactly. So NUL becomes U+FFFD in the text, and the event says so.
-        return self._event(
-            event_type,
-            {**_without_nul(payload), "nul_replaced": True},
-            token_ids=token_ids,
-            logprobs=logprobs,
-        )
+        cleaned = type(payload).read({**_without_nul(dump(payload)), "nul_replaced": True})
+        return self._event(cleaned, token_ids=token_ids, logprobs=logprobs)
 
     def _take(self, buffer: _ChoiceBuffer, choice: ChoiceTokens) -> None:
         if choice.token_ids and self.first_token_at is None:
@@ -442,8 +468,7 @@ class RequestRecorder:
             return
         logprobs = buffer.logprobs if buffer.logprobs_complete else None
         event = self._event(
-            EventType.COMPLETION_CHUNK,
-            {"choice": index, "text": "".join(buffer.text)},
+            CompletionChunk(choice=index, text="".join(buffer.text)),
             token_ids=buffer.token_ids,
             logprobs=logprobs,
         )

@@ -36,6 +36,13 @@ from trajstore.store import (
     session_stream,
 )
 from trajstore.store.events import MAX_ID_LENGTH
+from trajstore.store.payloads import Payload
+from trajstore.store.payloads_session import (
+    RewardAssigned,
+    SessionCreated,
+    SessionDiscarded,
+    SessionFinished,
+)
 from trajstore.store.schema import FACTS_CHANNEL
 from trajstore.store.sessions import rebuild_session
 from trajstore.store.subscription import wake_ups
@@ -221,14 +228,15 @@ class SessionRegistry:
         )
         existing = await self._load(session_id)
         if existing is None:
-            payload = {**wanted.definition(), "created_at": wanted.created_at}
+            fields = {**wanted.definition(), "created_at": wanted.created_at}
             if request.rate_limit is not None:  # recorded, so any replica loading it applies it
-                payload["rate_limit"] = request.rate_limit.model_dump(exclude_none=True)
+                fields["rate_limit"] = request.rate_limit.model_dump(exclude_none=True)
+            created = SessionCreated(**fields)
             event = NewEvent(
                 EventType.SESSION_CREATED,
                 session_id=session_id,
                 run_id=request.run_id,
-                payload=payload,
+                payload=created,
             )
             try:
                 await self.store.append(
@@ -295,9 +303,9 @@ class SessionRegistry:
             if cached is None:
                 continue  # not cached here: loaded from the log, with this fact, when needed
             if fact.type == EventType.SESSION_FINISHED:
-                cached.status = fact.payload.get("status", "completed")
+                cached.status = SessionFinished.read(fact.payload).status
             else:
-                cached.discarded = fact.payload.get("reason") or "discarded"
+                cached.discarded = SessionDiscarded.read(fact.payload).why
         return (facts[-1].tx_id, facts[-1].position) if facts else after
 
     async def ready_for_requests(self, session_id: str) -> Session:
@@ -321,9 +329,7 @@ class SessionRegistry:
                 return session  # a retried finish
             raise Conflict(f"session {session_id!r} already finished ({session.status})")
         await self.replicas.flush_everywhere(session_id)
-        await self._append(
-            session, EventType.SESSION_FINISHED, request.model_dump(exclude_none=True)
-        )
+        await self._append(session, SessionFinished(**request.model_dump(exclude_none=True)))
         session.status = request.status
         self._closed(session_id)
         return session
@@ -331,13 +337,13 @@ class SessionRegistry:
     async def reward(self, session_id: str, request: Reward) -> Session:
         """Record a reward (a later one corrects an earlier one)."""
         session = await self.get(session_id, fresh=True)
-        await self._append(session, EventType.REWARD_ASSIGNED, request.model_dump())
+        await self._append(session, RewardAssigned(**request.model_dump()))
         return session
 
     async def discard(self, session_id: str, request: Discard) -> Session:
         """Record that the session must not be trained on; it stays in the log."""
         session = await self.get(session_id, fresh=True)
-        await self._append(session, EventType.SESSION_DISCARDED, request.model_dump())
+        await self._append(session, SessionDiscarded(**request.model_dump()))
         session.discarded = request.reason
         self._closed(session_id)
         return session
@@ -346,11 +352,12 @@ class SessionRegistry:
         for listener in self.on_closed:
             listener(session_id)
 
-    async def _append(
-        self, session: Session, event_type: EventType, payload: dict[str, Any]
-    ) -> None:
+    async def _append(self, session: Session, payload: Payload) -> None:
         event = NewEvent(
-            event_type, session_id=session.session_id, run_id=session.run_id, payload=payload
+            EventType(payload.event_type),
+            session_id=session.session_id,
+            run_id=session.run_id,
+            payload=payload,
         )
         await self.store.append(session_stream(session.session_id), [event])
 
@@ -361,6 +368,7 @@ class SessionRegistry:
         if not events:
             return None
         record = rebuild_session(session_id, events)
+        limit = record.rate_limit
         session = Session(
             session_id=session_id,
             run_id=record.run_id or "",
@@ -371,16 +379,7 @@ class SessionRegistry:
             created_at=record.created_at or 0.0,
             status=record.status,
             discarded=record.discarded,
-            rate_limit=_rate_limit_of(events),
+            rate_limit=None if limit is None else RateLimit.model_validate(limit),
         )
         self._remember(session)
         return session
-
-
-def _rate_limit_of(events: list[Any]) -> RateLimit | None:
-    """The `rate_limit` a session's `session_created` event asked for, if any."""
-    for event in events:
-        if event.type == EventType.SESSION_CREATED:
-            wanted = event.payload.get("rate_limit")
-            return None if wanted is None else RateLimit.model_validate(wanted)
-    return None

@@ -23,6 +23,7 @@ from typing import Any, overload
 import asyncpg
 import orjson
 
+from trajstore.store import payloads_request, payloads_session  # noqa: F401  (registers the contract)
 from trajstore.store.errors import BadEvent, PayloadTooLarge
 from trajstore.store.payloads import Payload, dump
 from trajstore.store.tokens import (
@@ -180,13 +181,15 @@ class NewEvent:
             raise BadEvent(f"event_id must be a uuid.UUID, got {type(self.event_id).__name__}")
         _check_id("session_id", self.session_id)
         _check_id("run_id", self.run_id)
-        if isinstance(self.payload, Payload):
-            if self.payload.event_type != self.type:
+        payload = self.payload
+        if isinstance(payload, Payload):
+            if payload.event_type != self.type:
                 raise BadEvent(
-                    f"a {type(self.payload).__name__} payload cannot go in a {self.type} event"
+                    f"a {type(payload).__name__} payload cannot go in a {self.type} event"
                 )
-            object.__setattr__(self, "payload", dump(self.payload))
-        object.__setattr__(self, "payload_json", encode_payload(self.payload))
+            payload = dump(payload)
+            object.__setattr__(self, "payload", payload)
+        object.__setattr__(self, "payload_json", encode_payload(payload))
         tokens = None if self.token_ids is None else encode_token_ids(self.token_ids)
         logprobs = None if self.logprobs is None else encode_logprobs(self.logprobs)
         if tokens is not None and logprobs is not None and len(tokens) != len(logprobs):

@@ -35,6 +35,7 @@ from trajstore.store import queries
 from trajstore.store.archive import archived_requests
 from trajstore.store.events import request_stream
 from trajstore.store.eventstore import EventStore
+from trajstore.store.payloads_request import CompletionFinished, RequestReceived
 from trajstore.store.references import Messages
 
 FORMATS = ("parquet", "jsonl")
@@ -131,23 +132,24 @@ async def _conversations(
     directory), those whose days were archived are read from it."""
     sessions = sorted({row["session_id"] for row in rows})
     streams = [request_stream(_last_request(row)) for row in rows]
-    asked: dict[str, dict[str, Any]] = {}
+    asked: dict[str, RequestReceived] = {}
     replies: dict[str, dict[str, Any]] = {}
 
     def take(stream_id: str, event_type: str, payload: dict[str, Any]) -> None:
         if event_type == "request_received":
-            asked[stream_id] = payload
+            asked[stream_id] = RequestReceived.read(payload)
         else:
-            reply = (payload.get("choices") or [{}])[0].get("message")
+            finished = CompletionFinished.read(payload)
+            reply = finished.choices[0].message if finished.choices else None
             if reply is not None:
                 replies[stream_id] = reply
 
     for row in await store.pool.fetch(queries.READ_CONVERSATIONS, sessions, streams):
         take(row["stream_id"], row["event_type"], orjson.loads(row["payload"]))
     continued = (
-        request_stream(p["messages_prefix"]["request_id"])
-        for p in asked.values()
-        if isinstance(p.get("messages_prefix"), dict)
+        request_stream(received.messages_prefix.request_id)
+        for received in asked.values()
+        if received.messages_prefix is not None
     )
     if archive is not None and any(s not in asked for s in (*streams, *continued)):
         archived = await asyncio.to_thread(archived_requests, archive, sessions, streams)
@@ -156,13 +158,13 @@ async def _conversations(
                 take(stream_id, event_type, orjson.loads(payload))
     chains = Messages()
     for stream, received in asked.items():
-        stored = (received.get("body") or {}).get("messages")
-        chains.add(stream.removeprefix("request-"), stored, received.get("messages_prefix"))
+        stored = received.body.get("messages")
+        chains.add(stream.removeprefix("request-"), stored, received.messages_prefix)
     conversations: dict[str, Any] = {}
     for stream in streams:
         if stream not in asked:
             continue
-        body = asked[stream].get("body") or {}
+        body = asked[stream].body
         messages = list(chains.whole(stream.removeprefix("request-")) or [])
         if "prompt" in body:  # the completions API: the prompt as a user turn
             messages.append({"role": "user", "content": body["prompt"]})

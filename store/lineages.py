@@ -235,11 +235,11 @@ class Assigner:
         The proxy references the deepest turn a request continues, so this is the rule's answer
         at the cost of what the turn added."""
         prefix = turn.prompt_prefix
-        lineage = None if prefix is None else self._tips.get(str(prefix.get("request_id")))
+        lineage = None if prefix is None else self._tips.get(prefix.request_id)
         if lineage is None or lineage.tip.choice != 0:
             return None, 0
         assert prefix is not None
-        n = int(prefix.get("n_tokens") or 0) * _ID
+        n = prefix.n_tokens * _ID
         if n == len(lineage.state) or (lineage.eot and n == len(lineage.state) - _ID):
             return lineage, n
         return None, 0
@@ -356,7 +356,7 @@ class Assigner:
         (`history_rewritten`). The turn its messages reference is asked first (the proxy found
         it so), then the lineage its tokens follow longest (compared as values)."""
         prefix = turn.messages_prefix
-        lineage = None if prefix is None else self._tips.get(str(prefix.get("request_id")))
+        lineage = None if prefix is None else self._tips.get(prefix.request_id)
         added = turn.messages_added
         if lineage is not None and added and isinstance(added[0], dict):
             return self._reply_kept(lineage, added[0])

@@ -8,15 +8,23 @@ time, before it is validated as today's model.
 
 The stored JSON carries the version under `VERSION_KEY` when it is above 1, so the payloads of
 releases written before versions existed (no key) read as version 1. Unknown fields are kept
-(`extra="allow"`): a reader never drops what a newer writer added.
+(`extra="allow"`): a reader never drops what a newer writer added. A payload is stored with the
+fields its writer set, None included, and without the defaults it left alone (so today's JSON is
+what the recorder wrote before the contract was code, and the SQL views read it unchanged).
 
     raw dict ──upcast v1→v2→…→current──▶ model_validate ──▶ typed payload
+
+The contract itself, one class per event type, is declared by concept beside this module:
+`store.payloads_session` (a session's own facts and the trainer's steps) and
+`store.payloads_request` (one model request's events); `store.events` imports them, so every
+reader of the store has them registered. `python -m trajstore.store.catalogue` prints them as the
+catalogue docs/architecture.md holds (`store.catalogue`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -38,6 +46,14 @@ class Payload(BaseModel):
     event_type: ClassVar[str]
     #: Today's schema version; raise it with an upcaster from the version before.
     schema_version: ClassVar[int] = 1
+
+    @classmethod
+    def read(cls, raw: Mapping[str, Any]) -> Self:
+        """A stored payload of this class's event type, typed (`load`)."""
+        payload = load(cls.event_type, raw)
+        if not isinstance(payload, cls):
+            raise BadEvent(f"{cls.event_type} is declared as {type(payload).__name__}")
+        return payload
 
 
 #: event type -> its payload class.
@@ -66,12 +82,53 @@ def upcaster(event_type: str, from_version: int) -> Callable[[Upcaster], Upcaste
     return register
 
 
-def dump(payload: Payload) -> dict[str, Any]:
-    """The JSON-ready dict stored for `payload`, with its version when above 1."""
-    raw = payload.model_dump(mode="json", exclude_none=True)
-    if payload.schema_version > 1:
+def dump(payload: BaseModel) -> dict[str, Any]:
+    """The JSON-ready dict stored for `payload`, with its version when above 1: the fields its
+    writer set (None included) and the unknown ones it carries, not the defaults it left. A
+    part of a payload (a nested model) dumps the same way, without a version."""
+    raw = _fields(payload)
+    if isinstance(payload, Payload) and payload.schema_version > 1:
         raw[VERSION_KEY] = payload.schema_version
     return raw
+
+
+def _fields(model: BaseModel) -> dict[str, Any]:
+    # The field values as they are (no copy of a body of thousands of messages: orjson writes
+    # them); pydantic's model_dump would walk and copy every value, several times the cost of
+    # the whole event on the recorder's path. Only fields that can hold a model are converted.
+    given = model.__pydantic_fields_set__
+    raw = {name: value for name, value in model.__dict__.items() if name in given}
+    for name in _nested(type(model)) & given:
+        raw[name] = _plain(raw[name])
+    if model.__pydantic_extra__:
+        raw.update(model.__pydantic_extra__)
+    return raw
+
+
+#: model class -> the names of its fields whose type holds a model (dumped field by field).
+_NESTED: dict[type[BaseModel], frozenset[str]] = {}
+
+
+def _nested(cls: type[BaseModel]) -> frozenset[str]:
+    names = _NESTED.get(cls)
+    if names is None:
+        fields = cls.model_fields.items()
+        names = _NESTED[cls] = frozenset(n for n, f in fields if _holds_model(f.annotation))
+    return names
+
+
+def _holds_model(annotation: Any) -> bool:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_holds_model(arg) for arg in getattr(annotation, "__args__", ()))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return _fields(value)
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
 
 
 def load(event_type: str, raw: Mapping[str, Any]) -> Payload:
@@ -96,3 +153,11 @@ def load(event_type: str, raw: Mapping[str, Any]) -> Payload:
         return cls.model_validate(data)
     except ValidationError as exc:
         raise BadEvent(f"{event_type} payload does not match its schema: {exc}") from exc
+
+
+def upcast(event_type: str, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored payload as today's contract reads it, as JSON (for views that show payloads
+    whole, such as a timeline); a type this release does not declare stays as stored."""
+    if event_type not in PAYLOADS:
+        return dict(raw)
+    return dump(load(event_type, raw))

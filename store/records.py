@@ -13,7 +13,17 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from pydantic import BaseModel
+
 from trajstore.store.images import image_hashes
+from trajstore.store.payloads import dump
+from trajstore.store.payloads_request import (
+    Continuation,
+    MessagesPrefix,
+    PromptPrefix,
+    RequestFailed,
+)
+from trajstore.store.payloads_session import RewardAssigned
 from trajstore.store.references import Messages, Prompts
 from trajstore.store.tokens import decode_token_ids
 
@@ -68,21 +78,21 @@ class TurnRecord:
     prompt_added: Any = field(default_factory=list)
     choices: dict[int, ChoiceRecord] = field(default_factory=dict)
     status: str = "in_progress"  # in_progress | completed | failed
-    failure: dict[str, Any] | None = None
+    failure: RequestFailed | None = None
     usage: dict[str, Any] | None = None
     latency_s: float | None = None
     ttft_s: float | None = None
     first_position: int = 0
     received_at: float | None = None  # the proxy's clock when the request arrived
-    messages_prefix: dict[str, Any] | None = None  # body.messages continue that request's
+    messages_prefix: MessagesPrefix | None = None  # body.messages continue that request's
     prompt_source: str | None = None  # chat: continued | rendered (None: recorded before it)
-    continuation: dict[str, Any] | None = None  # {choice, drift_at} or {fallback}
+    continuation: Continuation | None = None  # {request_id, choice, drift_at, audit} or {fallback}
     n_images: int = 0  # image parts in its whole messages
     image_token_id: int | None = None  # the engine's image placeholder id, when recorded
     #: A translated API's images, each one's sha256 in prompt order (chat: from its messages)
     image_order: list[str] | None = None
-    #: {request_id, n_tokens}: the prompt starts with that request's prompt + completion
-    prompt_prefix: dict[str, Any] | None = None
+    #: The prompt starts with that request's prompt + completion
+    prompt_prefix: PromptPrefix | None = None
     n_prompt_tokens: int | None = None  #: the whole prompt's length (None: not recorded yet)
     session: SessionRecord | None = field(default=None, repr=False, compare=False)
 
@@ -170,7 +180,7 @@ class TurnRecord:
             "request_id": self.request_id,
             "api": self.api,
             "messages": self.messages if whole else self.messages_added,
-            "messages_prefix": None if whole else self.messages_prefix,
+            "messages_prefix": None if whole else _json(self.messages_prefix),
             "prompt": self.body.get("prompt"),
             "tools": self.body.get("tools"),
             "sampling": self.sampling,
@@ -179,14 +189,14 @@ class TurnRecord:
             "policy_version": self.policy_version,
             "logprobs_mode": self.logprobs_mode,
             "prompt_added": _ints_of(self.prompt_added),
-            "prompt_prefix": self.prompt_prefix,
+            "prompt_prefix": _json(self.prompt_prefix),
             "n_prompt_tokens": self.n_prompt_tokens,
             "prompt_source": self.prompt_source,
-            "continuation": self.continuation,
+            "continuation": _json(self.continuation),
             "choices": [self.choices[i].as_json() for i in sorted(self.choices)],
             "status": self.status,
             "constrained_by": self.constrained_by,
-            "failure": self.failure,
+            "failure": _json(self.failure),
             "usage": self.usage,
             "latency_s": self.latency_s,
             "ttft_s": self.ttft_s,
@@ -212,7 +222,9 @@ class SessionRecord:
     status: str = "active"  # active | completed | aborted | error | timeout
     finish_reason: str | None = None
     discarded: str | None = None  # the reason, when discarded
-    rewards: list[dict[str, Any]] = field(default_factory=list)
+    rewards: list[RewardAssigned] = field(default_factory=list)
+    #: The admission limits its creator asked for (`session_created`), if any.
+    rate_limit: dict[str, Any] | None = None
     turns: list[TurnRecord] = field(default_factory=list)
     n_events: int = 0
     #: The images its requests recorded, by sha256: {source, media_type, n_bytes, url}, without
@@ -227,7 +239,7 @@ class SessionRecord:
     @property
     def reward(self) -> float | None:
         """The last reward assigned (a later assignment corrects an earlier one)."""
-        return float(self.rewards[-1]["value"]) if self.rewards else None
+        return self.rewards[-1].value if self.rewards else None
 
     def as_json(self, *, turns: bool = True) -> dict[str, Any]:
         """A JSON-able view of the whole session (without its turns when not `turns`: a
@@ -244,7 +256,7 @@ class SessionRecord:
             "finish_reason": self.finish_reason,
             "discarded": self.discarded,
             "reward": self.reward,
-            "rewards": self.rewards,
+            "rewards": [dump(reward) for reward in self.rewards],
             "main_lineage": self.main_lineage,
             "n_events": self.n_events,
             "images": self.images,
@@ -252,6 +264,11 @@ class SessionRecord:
         if turns:
             view["turns"] = [t.as_json() for t in self.turns]
         return view
+
+
+def _json(part: BaseModel | None) -> dict[str, Any] | None:
+    """A payload or a part of one as the log stores it (None stays None)."""
+    return None if part is None else dump(part)
 
 
 def _ints(packed: bytes | bytearray) -> list[int]:

@@ -20,6 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from trajstore.store.payloads_request import MessagesPrefix, PromptPrefix
+
 _ID = 4  # bytes per packed token id
 _CACHED = 4  # whole prompts kept: reading a session's turns in order costs each turn once
 
@@ -39,13 +41,12 @@ class Prompts:
         self._prompts: dict[str, _Prompt] = {}
         self._cache: OrderedDict[str, bytes] = OrderedDict()
 
-    def add(self, request_id: str, added: bytes, prefix: dict[str, Any] | None) -> None:
+    def add(self, request_id: str, added: bytes, prefix: PromptPrefix | None) -> None:
         """A turn's prompt as its prompt_tokens event stores it."""
         if prefix is None:
             self._prompts[request_id] = _Prompt(added, None, 0)
         else:
-            source = str(prefix.get("request_id"))
-            self._prompts[request_id] = _Prompt(added, source, int(prefix.get("n_tokens") or 0))
+            self._prompts[request_id] = _Prompt(added, prefix.request_id, prefix.n_tokens)
 
     def completed(self, request_id: str, completion: bytes) -> None:
         """The turn's choice 0, packed (what references to it continue)."""
@@ -130,16 +131,15 @@ class Messages:
         self._messages: dict[str, _Messages] = {}
         self._lengths: dict[str, int | None] | None = None  # whole lengths, once counted
 
-    def add(self, request_id: str, added: Any, prefix: dict[str, Any] | None) -> None:
+    def add(self, request_id: str, added: Any, prefix: MessagesPrefix | None) -> None:
         """A request's messages as its request_received event stores them."""
         self._lengths = None
         listed = added if isinstance(added, list) else None
         if prefix is None:
             self._messages[request_id] = _Messages(listed, None, 0)
         else:
-            source = str(prefix.get("request_id"))
-            count = int(prefix.get("n_messages") or -1)
-            self._messages[request_id] = _Messages(listed, source, count)
+            count = prefix.n_messages or -1
+            self._messages[request_id] = _Messages(listed, prefix.request_id, count)
 
     def whole(self, request_id: str) -> list[Any] | None:
         """The request's whole messages, or None when they cannot be made whole (a referenced

@@ -1,7 +1,10 @@
 """A session as recorded, rebuilt from its events: what `GET /sessions/{id}` shows.
 
-This is the contract between the recorder (which writes these events) and every reader of them.
-A session's events live in two kinds of streams (see `store.events`):
+This is the prose of the contract between the recorder (which writes these events) and every
+reader of them; its code, one typed payload class per event type with the upcasters that read
+older shapes, is `store.payloads_session` and `store.payloads_request` (the generated catalogue
+is in docs/architecture.md). A session's events live in two kinds of streams (see
+`store.events`):
 
 `session-<id>`
     session_created    {run_id, task_id, group_id, metadata, deadline_s, created_at}
@@ -89,6 +92,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trajstore.store.events import EventType, RecordedEvent, request_stream
+from trajstore.store.payloads_request import (
+    CompletionChunk,
+    CompletionFinished,
+    ImageRecorded,
+    PromptTokens,
+    RequestFailed,
+    RequestReceived,
+)
+from trajstore.store.payloads_session import (
+    RewardAssigned,
+    SessionCreated,
+    SessionDiscarded,
+    SessionFinished,
+)
 from trajstore.store.records import ChoiceRecord, SessionRecord, TurnRecord
 from trajstore.store.tokens import TokenIds, decode_logprobs, decode_token_ids
 
@@ -150,8 +167,7 @@ def rebuild_session(
         stream = event.stream_id
         if kind == _CHUNK:
             if stream in turns:
-                payload = event.payload
-                index = int(payload.get("choice") or 0)
+                index, text = CompletionChunk.fields(event.payload)
                 pending = chunks.get((stream, index))
                 if pending is None:
                     pending = chunks[stream, index] = _Chunks(turns[stream].choice(index))
@@ -159,85 +175,83 @@ def rebuild_session(
                     pending.token_ids.append(ids)
                 if (logprobs := event.packed_logprobs) is not None:
                     pending.logprobs.append(logprobs)
-                pending.text.append(payload.get("text") or "")
+                pending.text.append(text)
         elif kind == _PROMPT:
             if stream in turns:
                 turn = turns[stream]
-                payload = event.payload
+                prompt = PromptTokens.read(event.payload)
                 turn.prompt_added = added = event.packed_token_ids or b""
-                turn.prompt_source = payload.get("prompt_source")
-                turn.continuation = payload.get("continuation")
-                turn.prompt_prefix = prefix = payload.get("prefix")
-                session.prompts.add(turn.request_id, added, prefix)
+                turn.prompt_source = prompt.prompt_source
+                turn.continuation = prompt.continuation
+                turn.prompt_prefix = prompt.prefix
+                session.prompts.add(turn.request_id, added, prompt.prefix)
                 turn.n_prompt_tokens = session.prompts.length(turn.request_id)
         elif kind == _RECEIVED:
-            payload = event.payload
+            received = RequestReceived.read(event.payload)
             turn = TurnRecord(
-                request_id=payload["request_id"],
-                api=payload.get("api", "chat"),
-                body=payload.get("body") or {},
-                engine=payload.get("engine"),
-                policy_version=payload.get("policy_version"),
-                logprobs_mode=payload.get("logprobs_mode"),
-                stream=bool(payload.get("stream")),
-                sampling=payload.get("sampling") or {},
+                request_id=received.request_id,
+                api=received.api,
+                body=received.body,
+                engine=received.engine,
+                policy_version=received.policy_version,
+                logprobs_mode=received.logprobs_mode,
+                stream=received.stream,
+                sampling=received.sampling,
                 first_position=event.position,
-                received_at=payload.get("received_at"),
-                messages_prefix=payload.get("messages_prefix"),
-                n_images=int(payload.get("n_images") or 0),
-                image_token_id=payload.get("image_token_id"),
-                image_order=payload.get("images"),
+                received_at=received.received_at,
+                messages_prefix=received.messages_prefix,
+                n_images=received.n_images,
+                image_token_id=received.image_token_id,
+                image_order=received.images,
             )
             turns[stream] = turn
             session.turns.append(turn)
             session.messages.add(turn.request_id, turn.body.get("messages"), turn.messages_prefix)
         elif kind == _FINISHED:
             if stream in turns:
-                payload = event.payload
+                finished = CompletionFinished.read(event.payload)
                 turn = turns[stream]
                 turn.status = "completed"
-                turn.usage = payload.get("usage")
-                turn.latency_s = payload.get("latency_s")
-                turn.ttft_s = payload.get("ttft_s")
-                for finished in payload.get("choices") or []:
-                    choice = turn.choice(int(finished.get("index") or 0))
-                    choice.finish_reason = finished.get("finish_reason")
-                    choice.stop_reason = finished.get("stop_reason")
-                    choice.message = finished.get("message")
-                    choice.api_finish_reason = finished.get("api_finish_reason")
+                turn.usage = finished.usage
+                turn.latency_s = finished.latency_s
+                turn.ttft_s = finished.ttft_s
+                for ending in finished.choices:
+                    choice = turn.choice(ending.index)
+                    choice.finish_reason = ending.finish_reason
+                    choice.stop_reason = ending.stop_reason
+                    choice.message = ending.message
+                    choice.api_finish_reason = ending.api_finish_reason
         elif kind == _FAILED:
             if stream in turns:
                 turn = turns[stream]
                 turn.status = "failed"
-                turn.failure = event.payload
-                turn.latency_s = turn.failure.get("latency_s")
+                turn.failure = RequestFailed.read(event.payload)
+                turn.latency_s = turn.failure.latency_s
         elif kind == _CREATED:
-            payload = event.payload
+            created = SessionCreated.read(event.payload)
             session.run_id = event.run_id
-            session.task_id = payload.get("task_id")
-            session.group_id = payload.get("group_id")
-            session.metadata = payload.get("metadata") or {}
-            session.deadline_s = payload.get("deadline_s")
-            session.created_at = payload.get("created_at")
+            session.task_id = created.task_id
+            session.group_id = created.group_id
+            session.metadata = created.metadata
+            session.deadline_s = created.deadline_s
+            session.created_at = created.created_at
+            session.rate_limit = created.rate_limit
             session.recorded_created_at = event.recorded_at
         elif kind == _REWARD:
-            session.rewards.append(event.payload)
+            session.rewards.append(RewardAssigned.read(event.payload))
         elif kind == _SESSION_FINISHED:
-            payload = event.payload
-            session.status = payload.get("status", "completed")
-            session.finish_reason = payload.get("reason")
+            ended = SessionFinished.read(event.payload)
+            session.status = ended.status
+            session.finish_reason = ended.reason
             session.recorded_finished_at = event.recorded_at
-            if isinstance(main := payload.get("main_lineage"), int):
-                session.main_lineage = main
+            if ended.main_lineage is not None:
+                session.main_lineage = ended.main_lineage
         elif kind == _DISCARDED:
-            session.discarded = event.payload.get("reason") or "discarded"
+            session.discarded = SessionDiscarded.read(event.payload).why
         elif kind == _IMAGE:
-            payload = event.payload
-            sha256 = payload.get("sha256")
-            if isinstance(sha256, str) and sha256 not in session.images:
-                session.images[sha256] = {
-                    key: payload.get(key) for key in ("source", "media_type", "n_bytes", "url")
-                }
+            image = ImageRecorded.read(event.payload)
+            if image.sha256 not in session.images:
+                session.images[image.sha256] = image.described()
         # else: a newer event type; a reader of today ignores what it does not know
     _in_request_order(session.turns)
     for (stream, index), pending in chunks.items():
@@ -248,7 +262,7 @@ def rebuild_session(
         # Never a guessed token: the turn fails, which keeps it out of training.
         turn = turns[request_stream(request_id)]
         turn.status = "failed"
-        turn.failure = {"reason": "prompt_unresolved", "message": why}
+        turn.failure = RequestFailed(reason="prompt_unresolved", message=why)
         turn.prompt_added, turn.prompt_prefix, turn.n_prompt_tokens = b"", None, None
     for request_id, why in session.messages.unresolved().items():
         turns[request_stream(request_id)].body["messages_unresolved"] = why

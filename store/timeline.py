@@ -31,6 +31,8 @@ from trajstore.store.connection import unavailable_as_store_error
 from trajstore.store.errors import SessionNotFound
 from trajstore.store.events import EventType, RecordedEvent, request_stream
 from trajstore.store.eventstore import EventStore
+from trajstore.store.payloads import upcast
+from trajstore.store.payloads_request import ImageRecorded
 from trajstore.store.samples import Sample, build_samples
 from trajstore.store.sessions import SessionRecord, TurnRecord, rebuild_session
 
@@ -203,10 +205,9 @@ def _entry(
     event: RecordedEvent, session: SessionRecord, turn: tuple[int, TurnRecord] | None
 ) -> tuple[str, dict[str, Any]] | None:
     """The kind and details of the entry an event makes, or None when it makes none."""
-    payload = event.payload
     match event.type:
         case EventType.SESSION_CREATED:
-            return "created", {"run_id": event.run_id, **payload}
+            return "created", {"run_id": event.run_id, **upcast(event.type, event.payload)}
         case EventType.REQUEST_RECEIVED if turn is not None:
             index, record = turn
             previous = session.turns[index - 1] if index > 0 else None
@@ -214,19 +215,19 @@ def _entry(
         case EventType.COMPLETION_FINISHED if turn is not None:
             return "completion", {**_outcome_details(turn[1]), "usage": turn[1].usage}
         case EventType.REQUEST_FAILED if turn is not None:
-            return "failure", {**_outcome_details(turn[1]), **payload}
+            return "failure", {**_outcome_details(turn[1]), **upcast(event.type, event.payload)}
         case EventType.REWARD_ASSIGNED:
-            return "reward", payload
+            return "reward", upcast(event.type, event.payload)
         case EventType.SESSION_FINISHED:
-            return "finished", payload
+            return "finished", upcast(event.type, event.payload)
         case EventType.SESSION_DISCARDED:
-            return "discarded", payload
+            return "discarded", upcast(event.type, event.payload)
         case EventType.PROMPT_TOKENS | EventType.COMPLETION_CHUNK:
             return None  # folded into the request's completion or failure entry
         case EventType.IMAGE_RECORDED:  # what it is, not its bytes
-            return "image", {k: v for k, v in payload.items() if k != "data"}
+            return "image", ImageRecorded.read(event.payload).without_data()
         case _:
-            return "other", {"type": event.type, **payload}
+            return "other", {"type": event.type, **upcast(event.type, event.payload)}
 
 
 def timeline(

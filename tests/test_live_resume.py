@@ -51,7 +51,7 @@ async def run(
 
 
 async def ledger(store: EventStore, steps: int) -> list[list[str]]:
-    return [(await read_step(store, "live", s))["sample_ids"] for s in range(1, steps + 1)]
+    return [(await read_step(store, "live", s)).sample_ids for s in range(1, steps + 1)]
 
 
 async def test_a_live_run_resumes_at_the_next_version_without_training_a_sample_twice(

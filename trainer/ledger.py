@@ -4,7 +4,7 @@ Each step of a training run is an event in the stream `training-<run>`, appended
 expected stream version `step - 1`: steps are numbered from 1, recorded in order, and a step can
 never be recorded twice (a second attempt raises `StepAlreadyRecorded`). The payload:
 
-    training_run, step, model_version, recorded_at (the event's own time)
+    training_run, step, model_version
     sample_ids  the batch's samples, in row order
     samples     per sample: session_id, row, reward, advantage, policy_version, staleness,
                 n_tokens, checksum (CRC-32 of its stored arrays)
@@ -33,8 +33,9 @@ from rich.table import Table
 from tensordict import TensorDict
 
 from trajstore.store import ConcurrencyError, EventStore, EventType, NewEvent, sample_reads
+from trajstore.store.payloads_session import TrainingStep
 from trajstore.trainer.arrays import decode_arrays
-from trajstore.trainer.collate import Layout, ReplaySample, collate
+from trajstore.trainer.collate import Layout, ReplaySample, collate, sample_ids
 from trajstore.trainer.errors import (
     SampleChanged,
     SampleGone,
@@ -65,16 +66,16 @@ async def record_step(
     if step < 1:
         raise TrainerError(f"steps are numbered from 1, got {step}")
     samples = batch.get_non_tensor("samples")
-    payload = {
-        "training_run": training_run,
-        "step": step,
-        "model_version": model_version,
-        "sample_ids": [s["sample_id"] for s in samples],
-        "samples": samples,
-        "layout": layout.as_json(),
-        "replay": dict(replay or {}),
-        "metrics": dict(metrics),
-    }
+    payload = TrainingStep(
+        training_run=training_run,
+        step=step,
+        model_version=model_version,
+        sample_ids=sample_ids(batch),
+        samples=samples,
+        layout=layout.as_json(),
+        replay=dict(replay or {}),
+        metrics=dict(metrics),
+    )
     stream = training_stream(training_run)
     try:
         (position,) = await store.append(
@@ -92,12 +93,12 @@ async def record_step(
     return position
 
 
-async def read_step(store: EventStore, training_run: str, step: int) -> dict[str, Any]:
+async def read_step(store: EventStore, training_run: str, step: int) -> TrainingStep:
     """The payload of a recorded step; `StepNotFound` says which steps exist."""
     stream = training_stream(training_run)
     events = await store.read_stream(stream, after_version=max(step - 1, 0), limit=1)
     if step >= 1 and events and events[0].stream_version == step:
-        return {**events[0].payload, "recorded_at": events[0].recorded_at.isoformat()}
+        return TrainingStep.read(events[0].payload)
     recorded = await store.read_stream(stream)
     if not recorded:
         raise StepNotFound(f"no training run {training_run!r} in the ledger")
@@ -109,8 +110,8 @@ async def read_step(store: EventStore, training_run: str, step: int) -> dict[str
 async def rebuild_step(store: EventStore, training_run: str, step: int) -> TensorDict:
     """The batch of a recorded step, bit for bit; `SampleGone`/`SampleChanged` when it cannot be."""
     recorded = await read_step(store, training_run, step)
-    entries = recorded["samples"]
-    ids = [uuid.UUID(s["sample_id"]) for s in entries]
+    entries = recorded.samples
+    ids = [uuid.UUID(s.sample_id) for s in entries]
     rows = {row["sample_id"]: row for row in await sample_reads.read_served(store, ids)}
     missing = [str(i) for i in ids if i not in rows]
     if missing:
@@ -124,44 +125,44 @@ async def rebuild_step(store: EventStore, training_run: str, step: int) -> Tenso
         row = rows[sample_id]
         sample = ReplaySample(
             sample_id,
-            entry["session_id"],
+            entry.session_id,
             *decode_arrays(row["token_ids"], row["loss_mask"], row["logprobs"]),
-            reward=entry["reward"],
-            advantage=entry["advantage"],
-            policy_version=entry["policy_version"],
-            staleness=entry["staleness"],
+            reward=entry.reward,
+            advantage=entry.advantage,
+            policy_version=entry.policy_version,
+            staleness=entry.staleness,
         )
-        if sample.checksum != entry["checksum"]:
+        if sample.checksum != entry.checksum:
             raise SampleChanged(
-                f"sample {sample_id} (session {entry['session_id']!r}) holds other tokens than "
+                f"sample {sample_id} (session {entry.session_id!r}) holds other tokens than "
                 f"at step {step} of training run {training_run!r}: it was re-projected differently"
             )
-        while len(rows_of_batch) <= entry["row"]:
+        while len(rows_of_batch) <= entry.row:
             rows_of_batch.append([])
-        rows_of_batch[entry["row"]].append(sample)
+        rows_of_batch[entry.row].append(sample)
     return collate(rows_of_batch)
 
 
-def summary_table(recorded: Mapping[str, Any]) -> Table:
+def summary_table(recorded: TrainingStep) -> Table:
     """A rich table of a step: its samples (id, session, reward, advantage, length), metrics."""
     title = (
-        f"training run {recorded['training_run']} · step {recorded['step']} · "
-        f"model {recorded.get('model_version')} · layout {recorded['layout']}"
+        f"training run {recorded.training_run} · step {recorded.step} · "
+        f"model {recorded.model_version} · layout {recorded.layout}"
     )
     table = Table(title=title)
     for column in ("row", "sample", "session", "reward", "advantage", "tokens", "staleness"):
         table.add_column(column, justify="right" if column not in ("sample", "session") else "left")
-    for s in recorded["samples"]:
+    for s in recorded.samples:
         table.add_row(
-            str(s["row"]),
-            s["sample_id"],
-            s["session_id"],
-            f"{s['reward']:.4g}",
-            f"{s['advantage']:+.4g}",
-            str(s["n_tokens"]),
-            str(s["staleness"]),
+            str(s.row),
+            s.sample_id,
+            s.session_id,
+            f"{s.reward:.4g}",
+            f"{s.advantage:+.4g}",
+            str(s.n_tokens),
+            str(s.staleness),
         )
-    metrics = ", ".join(f"{k}={v:.4g}" for k, v in recorded["metrics"].items())
+    metrics = ", ".join(f"{k}={v:.4g}" for k, v in recorded.metrics.items())
     table.caption = f"metrics: {metrics}"
     return table
 
@@ -172,7 +173,7 @@ def replay_step_command(ctx: click.Context, training_run: str, step: int, out: P
 
     settings = ctx.find_root().ensure_object(dict)["settings"]
 
-    async def run() -> tuple[dict[str, Any], TensorDict]:
+    async def run() -> tuple[TrainingStep, TensorDict]:
         async with open_store(database_url(settings)) as store:
             recorded = await read_step(store, training_run, step)
             return recorded, await rebuild_step(store, training_run, step)

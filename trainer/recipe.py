@@ -192,7 +192,7 @@ async def _check_same_batch(
     store: EventStore, training_run: str, step: int, batch: TensorDict
 ) -> None:
     """`TrainerError` unless `batch` holds the samples the ledger recorded for `step`."""
-    recorded = (await read_step(store, training_run, step))["sample_ids"]
+    recorded = (await read_step(store, training_run, step)).sample_ids
     if recorded != sample_ids(batch):
         raise TrainerError(
             f"resuming {training_run!r}: step {step} of the ledger trained other samples than "

@@ -21,6 +21,15 @@ from typing import Any
 import torch
 
 from trajstore.store import EventStore, EventType, NewEvent, request_stream, session_stream
+from trajstore.store.payloads import Payload
+from trajstore.store.payloads_request import (
+    CompletionChunk,
+    CompletionFinished,
+    FinishedChoice,
+    PromptTokens,
+    RequestReceived,
+)
+from trajstore.store.payloads_session import RewardAssigned, SessionCreated, SessionFinished
 from trajstore.store.projection import Projector
 from trajstore.trainer.loss import token_logprobs
 
@@ -148,45 +157,34 @@ async def _record_session(
     policy_version: int,
     max_new_tokens: int,
 ) -> None:
-    def event(kind: EventType, payload: dict[str, Any], **arrays: Any) -> NewEvent:
+    def event(payload: Payload, **arrays: Any) -> NewEvent:
+        kind = EventType(payload.event_type)
         return NewEvent(kind, session_id=session_id, run_id=run_id, payload=payload, **arrays)
 
     request_id = f"{session_id}-r0"
     # The sampler stops at an end-of-turn token; without one the completion hit the length cap.
-    finish_reason = "stop" if len(completion) < max_new_tokens else "length"
+    ending = "stop" if len(completion) < max_new_tokens else "length"
     body = {"messages": [{"role": "user", "content": question}]}
-    created = {"task_id": group_id, "group_id": group_id, "metadata": {"tags": ["toy"]}}
-    await store.append(session_stream(session_id), [event(EventType.SESSION_CREATED, created)])
+    created = SessionCreated(task_id=group_id, group_id=group_id, metadata={"tags": ["toy"]})
+    await store.append(session_stream(session_id), [event(created)])
     await store.append(
         request_stream(request_id),
         [
             event(
-                EventType.REQUEST_RECEIVED,
-                {
-                    "request_id": request_id,
-                    "api": "chat",
-                    "body": body,
-                    "policy_version": str(policy_version),
-                },
+                RequestReceived(
+                    request_id=request_id, api="chat", body=body, policy_version=str(policy_version)
+                )
             ),
-            event(EventType.PROMPT_TOKENS, {"choice": None}, token_ids=prompt),
-            event(
-                EventType.COMPLETION_CHUNK,
-                {"choice": 0, "text": ""},
-                token_ids=completion,
-                logprobs=logprobs,
-            ),
-            event(
-                EventType.COMPLETION_FINISHED,
-                {"choices": [{"index": 0, "finish_reason": finish_reason}]},
-            ),
+            event(PromptTokens(choice=None), token_ids=prompt),
+            event(CompletionChunk(choice=0, text=""), token_ids=completion, logprobs=logprobs),
+            event(CompletionFinished(choices=[FinishedChoice(index=0, finish_reason=ending)])),
         ],
     )
     await store.append(
         session_stream(session_id),
         [
-            event(EventType.REWARD_ASSIGNED, {"value": value, "source": "toy_task.reward"}),
-            event(EventType.SESSION_FINISHED, {"status": "completed"}),
+            event(RewardAssigned(value=value, source="toy_task.reward")),
+            event(SessionFinished(status="completed")),
         ],
     )
 

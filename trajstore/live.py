@@ -157,7 +157,7 @@ async def _resume(
         # update is lost); the next version is the ledger's next step.
         delivered = set(live.delivered) if live else set()
         for step in range(state.policy_version + 1, recorded + 1):
-            delivered |= set((await read_step(store, training_run, step))["sample_ids"])
+            delivered |= set((await read_step(store, training_run, step)).sample_ids)
         base = live or LiveCheckpoint()
         pending = tuple(i for i in base.pending if i not in delivered)
         live = LiveCheckpoint(base.projected_tx, base.projected_seq, frozenset(delivered), pending)

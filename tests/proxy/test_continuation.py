@@ -77,10 +77,13 @@ async def test_continued_turns_extend_the_sampled_ids_and_make_one_sample(
 
     recorded = await proxy.session_record(session["session_id"])
     sources = [(t["prompt_source"], t["continuation"]) for t in recorded["turns"]]
+    first, second, _ = (t["request_id"] for t in recorded["turns"])
     assert sources == [
         ("rendered", None),
-        ("continued", {"choice": 0, "drift_at": None}),  # the lineage's first: audited
-        ("continued", {"choice": 0}),  # checked at the cost of its new messages: no drift figure
+        # the lineage's first: audited
+        ("continued", {"request_id": first, "choice": 0, "audit": True, "drift_at": None}),
+        # checked at the cost of its new messages: no drift figure
+        ("continued", {"request_id": second, "choice": 0, "audit": False}),
     ]
     # The engine was sent exactly the ids it echoed.
     sent = [r.get("kv_transfer_params", {}).get("prompt_token_ids") for r in engine.requests]
@@ -161,8 +164,9 @@ async def test_n_choices_the_one_sent_back_is_continued(
     assert first.message.content != second.message.content
     reply = {"role": "assistant", "content": second.message.content}
     _, prompt, _ = await take_turn(agent, [*messages, reply, {"role": "user", "content": "ok"}])
-    turn = (await proxy.session_record(session["session_id"]))["turns"][1]
-    assert turn["continuation"] == {"choice": 1, "drift_at": None}
+    before, turn = (await proxy.session_record(session["session_id"]))["turns"]
+    continued = {"request_id": before["request_id"], "choice": 1, "audit": True, "drift_at": None}
+    assert turn["continuation"] == continued
     base = answer.model_extra["prompt_token_ids"] + second.model_extra["token_ids"]
     assert prompt[: len(base)] == base
 
@@ -178,8 +182,9 @@ async def test_a_turn_cut_by_length_is_continued_after_the_templates_end_of_turn
     _, next_prompt, _ = await take_turn(
         agent, [*messages, reply, {"role": "user", "content": "go on"}]
     )
-    turn = (await proxy.session_record(session["session_id"]))["turns"][1]
-    assert turn["continuation"] == {"choice": 0, "drift_at": None}
+    before, turn = (await proxy.session_record(session["session_id"]))["turns"]
+    continued = {"request_id": before["request_id"], "choice": 0, "audit": True, "drift_at": None}
+    assert turn["continuation"] == continued
     # The sampled ids, then the end of turn the template gives a reply, never sampled.
     cut = len(prompt) + len(completion)
     assert next_prompt[: cut + 2] == [*prompt, *completion, EOS, NEWLINE]
@@ -238,11 +243,16 @@ async def test_drift_a_template_would_have_caused_is_avoided_and_recorded(
             messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
             reply, first_prompt, _ = await take_turn(agent, messages)
             await take_turn(agent, [*messages, reply, {"role": "user", "content": "and?"}])
-            turn = (await proxy.session_record(session["session_id"]))["turns"][1]
+            before, turn = (await proxy.session_record(session["session_id"]))["turns"]
             samples = await proxy.finished_samples(database_url, session["session_id"])
             if mode == "tokens":
                 # Rendered from text, the reply would differ right after the first prompt.
-                assert turn["continuation"] == {"choice": 0, "drift_at": len(first_prompt)}
+                assert turn["continuation"] == {
+                    "request_id": before["request_id"],
+                    "choice": 0,
+                    "audit": True,
+                    "drift_at": len(first_prompt),
+                }
                 assert len(samples) == 1
             else:
                 assert turn["prompt_source"] == "rendered"

@@ -125,7 +125,7 @@ async def test_an_agent_session_is_one_token_exact_sample(
         assert prompt[: len(before) + len(completion)] == before + completion
     assert [t.prompt_source for t in turns] == ["rendered"] + ["continued"] * 3
     # The drift avoided: somewhere the template would have rendered other ids.
-    assert any(t.continuation["drift_at"] is not None for t in turns[1:])
+    assert any(t.continuation and t.continuation.drift_at is not None for t in turns[1:])
 
     [sample] = samples
     assert sample.divergence is None and len(sample.turns) == 4

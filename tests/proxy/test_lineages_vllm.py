@@ -44,7 +44,7 @@ def agree(session: SessionRecord, samples: list[Sample]) -> None:
     for index, turn in enumerate(session.turns):
         if turn.prompt_source == "continued":
             assert turn.prompt_prefix is not None
-            assert turn.prompt_prefix["request_id"] == previous[index]
+            assert turn.prompt_prefix.request_id == previous[index]
 
 
 async def test_interleaved_conversations_are_continued_from_their_own_turns(

@@ -263,7 +263,7 @@ async def test_a_turn_that_continues_the_last_is_stored_as_its_new_tokens_and_me
     assert whole == expected
     first, *continuing, unrelated = stored
     assert "prefix" not in first.payload
-    assert unrelated.payload == {"choice": None, "prompt_source": "rendered"}
+    assert unrelated.payload == {"choice": None, "prompt_source": "rendered", "v": 2}
     for event, previous, prompt in zip(continuing, rebuilt, whole[1:3], strict=False):
         so_far = len(previous["prompt_token_ids"]) + len(previous["choices"][0]["token_ids"])
         assert event.payload["prefix"] == {"request_id": previous["request_id"], "n_tokens": so_far}

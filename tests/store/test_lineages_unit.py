@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from trajstore.store.lineages import assign
+from trajstore.store.payloads_request import PromptPrefix
+from trajstore.store.payloads_session import RewardAssigned
 from trajstore.store.samples import build_samples, final_branch, rollout_rows
 from trajstore.store.sessions import ChoiceRecord, SessionRecord, TurnRecord
 from trajstore.store.tokens import encode_token_ids, shared_prefix
@@ -41,7 +43,7 @@ class Recorder:
     def __init__(self, by_reference: bool) -> None:
         self.by_reference = by_reference
         self.session = SessionRecord("s", run_id="r", status="completed")
-        self.session.rewards = [{"value": 1.0}]
+        self.session.rewards = [RewardAssigned(value=1.0)]
         self.states: dict[str, bytes] = {}
 
     def call(
@@ -64,7 +66,7 @@ class Recorder:
         prefix = None
         if self.by_reference and continues is not None:
             shared = shared_prefix(packed, self.states[continues])
-            prefix = {"request_id": continues, "n_tokens": shared}
+            prefix = PromptPrefix(request_id=continues, n_tokens=shared)
             turn.prompt_prefix, turn.prompt_added = prefix, packed[4 * shared :]
         self.session.prompts.add(request_id, turn.prompt_added, prefix)
         self.session.messages.add(request_id, messages, None)

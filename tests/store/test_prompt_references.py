@@ -89,7 +89,7 @@ async def test_a_reference_the_log_cannot_satisfy_fails_its_turn(store: EventSto
     session = rebuild_session("s1", await store.read_session("s1"))
     assert [t.status for t in session.turns] == ["completed", "failed", "failed", "failed"]
     for turn in session.turns[1:]:
-        assert turn.failure is not None and turn.failure["reason"] == "prompt_unresolved"
+        assert turn.failure is not None and turn.failure.reason == "prompt_unresolved"
         assert turn.prompt_token_ids == []
     # Never a sample with guessed tokens: only the first turn is trained on.
     assert await Projector(store).run_once() == 1

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from trajstore.store.payloads_session import RewardAssigned
 from trajstore.store.samples import build_samples, sample_id
 from trajstore.store.sessions import ChoiceRecord, SessionRecord, TurnRecord
 
@@ -51,7 +52,7 @@ def turn(
 def session(*turns: TurnRecord) -> SessionRecord:
     record = SessionRecord("s1", run_id="r", status="completed")
     record.turns = list(turns)
-    record.rewards = [{"value": 1.0}]
+    record.rewards = [RewardAssigned(value=1.0)]
     return record
 
 

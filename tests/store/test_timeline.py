@@ -188,9 +188,9 @@ async def test_as_of_follows_the_logs_commit_order_not_the_bare_position(
     assert position_a < position_b
 
     as_of_b = await session_as_of(store, "s1", position_b)
-    assert [r["value"] for r in as_of_b.rewards] == [0.5]  # A committed after B in log order
+    assert [r.value for r in as_of_b.rewards] == [0.5]  # A committed after B in log order
     as_of_a = await session_as_of(store, "s1", position_a)
-    assert [r["value"] for r in as_of_a.rewards] == [0.5, 0.25]
+    assert [r.value for r in as_of_a.rewards] == [0.5, 0.25]
 
 
 async def projected(store: EventStore, n_rows: int) -> list[asyncpg.Record]:

@@ -70,6 +70,6 @@ async def test_training_on_recorded_rollouts_raises_the_reward_on_held_out_quest
     # every step is in the ledger, with the metrics the recipe returned
     assert [m["step"] for m in history] == [float(s) for s in range(1, 13)]
     last = await read_step(store, "toy", 12)
-    assert last["metrics"] == history[-1]
-    assert len(last["sample_ids"]) == 16
+    assert last.metrics == history[-1]
+    assert len(last.sample_ids) == 16
     assert history[-1]["kl_k3"] > 0  # the policy moved away from the one that sampled

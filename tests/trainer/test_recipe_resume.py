@@ -31,9 +31,7 @@ STEPS = 7  # 32 samples in batches of 8: four a pass, so the run crosses into a 
 
 
 async def ledger(store: EventStore, training_run: str) -> list[list[str]]:
-    return [
-        (await read_step(store, training_run, step))["sample_ids"] for step in range(1, STEPS + 1)
-    ]
+    return [(await read_step(store, training_run, step)).sample_ids for step in range(1, STEPS + 1)]
 
 
 async def test_a_killed_run_resumes_at_the_next_step_with_the_same_data_order(
