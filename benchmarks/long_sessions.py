@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import os
 import statistics
@@ -48,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import asyncpg
 import httpx
 import orjson
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
@@ -68,6 +70,7 @@ MAX_TOKENS = 2 * COMPLETION  #: asked for: the engine stops before, on its end-o
 SIDE_EVERY = 50  #: every 50th call is a title call: a lineage of its own
 MAX_GET_BYTES = 10 << 20  #: GET /sessions/{id} without options, at --turns
 MAX_KEPT_BYTES = 100 << 20  #: proxy resident memory after everything, over before
+PAGE = 100  #: turns per page of the paged reads (a viewer's page)
 ENGINE_MAIN = f"""
 import sys
 import uvloop
@@ -154,31 +157,45 @@ class Agent:
             return answer
 
 
-class ResidentMemory:
-    """The proxy's resident set, sampled every 50 ms in a thread: now, and the peak since a mark."""
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (the proxy's session reader), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
 
-    def __init__(self, pid: int) -> None:
-        self.path = Path(f"/proc/{pid}/status")
+
+class ResidentMemory:
+    """Resident sets summed over `pids()`, sampled every 50 ms in a thread: now, and the peak
+    since a mark."""
+
+    def __init__(self, pids: Callable[[], list[int]]) -> None:
+        self.pids = pids
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def now(self) -> int:
-        for line in self.path.read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0
+        total = 0
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        return total
 
     def mark(self) -> None:
         self.peak = self.now()
 
     def _sample(self) -> None:
         while not self._stop.wait(0.05):
-            try:
-                self.peak = max(self.peak, self.now())
-            except OSError:
-                return
+            self.peak = max(self.peak, self.now())
 
     def stop(self) -> None:
         self._stop.set()
@@ -196,10 +213,15 @@ class Reading:
         return statistics.median(self.seconds)
 
 
-async def timed(runs: int, read: Callable[[], Awaitable[int]]) -> Reading:
-    """The path read once untimed (connections, imports), then `runs` times."""
+async def timed(
+    runs: int, read: Callable[[], Awaitable[int]], cold: Callable[[], Awaitable[None]] | None = None
+) -> Reading:
+    """The path read once untimed (connections, imports), then `runs` times (each after `cold`,
+    untimed, when given)."""
     reading = Reading(size=await read())
     for _ in range(runs):
+        if cold is not None:
+            await cold()
         start = time.perf_counter()
         reading.size = await read()
         reading.seconds.append(time.perf_counter() - start)
@@ -208,9 +230,10 @@ async def timed(runs: int, read: Callable[[], Awaitable[int]]) -> Reading:
 
 async def read_paths(
     http: aiohttp.ClientSession, proxy: str, url: str, viewer: httpx.AsyncClient,
-    session_id: str, run: str, turns: int, runs: int,
+    session_id: str, run: str, turns: int, runs: int, others: list[str],
 ) -> dict[str, Reading]:  # fmt: skip
-    """Every read path over one session, timed."""
+    """Every read path over one session, timed. `others`: two other sessions, read to push
+    this one out of the reader's kept sessions before the cold reads."""
     base = f"{proxy}/sessions/{session_id}"
 
     async def get(address: str) -> int:
@@ -221,8 +244,12 @@ async def read_paths(
                 size += len(piece)
             return size
 
+    async def cold() -> None:
+        for other in others:
+            await get(f"{proxy}/sessions/{other}?limit=1")
+
     async def pages() -> int:
-        size, address = 0, f"{base}?limit=1000"
+        size, address = 0, f"{base}?limit={PAGE}"
         while address:
             async with http.get(address) as resp:
                 body = await resp.read()
@@ -264,14 +291,78 @@ async def read_paths(
 
     return {
         "GET /sessions/{id}": await timed(runs, lambda: get(base)),
-        "  in pages of 1,000 turns": await timed(runs, pages),
+        f"  every page of {PAGE}, cold": await timed(runs, pages, cold),
+        f"  every page of {PAGE}, kept": await timed(runs, pages),
+        "  first page, cold": await timed(runs, lambda: get(f"{base}?limit={PAGE}"), cold),
+        "  a page, kept": await timed(runs, lambda: get(f"{base}?after={turns // 2}&limit={PAGE}")),
         "  one turn whole (?turn=N)": await timed(runs, lambda: get(f"{base}?turn={turns - 2}")),
+        "  one turn (/turns/N)": await timed(runs, lambda: get(f"{base}/turns/{turns - 2}")),
         "projection (fold + samples)": await timed(runs, projection),
         "trajstore export (Parquet)": await timed(runs, exported),
         "replay session --json": await timed(runs, replay),
         "viewer: page, cold": await timed(runs, page),
         "viewer: last turn's body": await timed(runs, turn_body),
     }
+
+
+#: SQL over the `turns` view of one run, before (migration 0017's view) and after 0020.
+TURNS_SQL = {
+    "every column but whole messages": """
+        SELECT session_id, request_id, position, api, engine, policy_version, tools, sampling,
+               status, finish_reason, completion_text, tool_calls, n_tool_calls, prompt_tokens,
+               completion_tokens, latency_s, ttft_s, failure, prompt_source, lineage
+        FROM turns WHERE run_id = $1""",
+    "... and what each turn stored": """
+        SELECT request_id, messages_added, messages_prefix FROM turns WHERE run_id = $1""",
+    "the last turn's whole messages": """
+        SELECT messages FROM turns WHERE run_id = $1 ORDER BY position DESC LIMIT 1""",
+    "every turn's whole messages": """
+        SELECT sum(jsonb_array_length(messages)) FROM turns WHERE run_id = $1""",
+}
+SQL_TIMEOUT_S = 120
+TIMEOUT_MS = SQL_TIMEOUT_S * 1000
+
+
+async def turns_sql(url: str, runs: list[tuple[str, int]], whole_up_to: int) -> dict:
+    """Each of TURNS_SQL on each run (least of 2), with the view as migration 0017 left it, then
+    as 0020 makes it (the store migrated down and up again, same data). A query past
+    SQL_TIMEOUT_S reads as None; every turn's whole messages only on runs of at most
+    `whole_up_to` turns (they are the square of a session)."""
+    from trajstore.store import migrations
+
+    async def measure(revision: str) -> dict[tuple[str, str], float | None]:
+        times: dict[tuple[str, str], float | None] = {}
+        async with await EventStore.open(url) as store:
+            for name, sql in TURNS_SQL.items():
+                if revision == "0017" and "messages_added" in sql:
+                    continue
+                for run, turns in runs:
+                    if name.startswith("every turn's") and turns > whole_up_to:
+                        continue
+                    best: float | None = None
+                    for _ in range(2):
+                        start = time.perf_counter()
+                        try:
+                            async with store.pool.acquire() as conn, conn.transaction():
+                                await conn.execute(
+                                    f"SET LOCAL statement_timeout = '{SQL_TIMEOUT_S}s'"
+                                )
+                                await conn.fetch(sql, run)
+                        except asyncpg.QueryCanceledError:
+                            best = None
+                            break
+                        took = time.perf_counter() - start
+                        best = took if best is None else min(best, took)
+                    times[name, run] = best
+        return times
+
+    after = await measure("0020")
+    await asyncio.to_thread(migrations.downgrade, url, "0017_partition_keys")
+    try:
+        before = await measure("0017")
+    finally:
+        await asyncio.to_thread(migrations.upgrade, url, "head")
+    return {"before": before, "after": after}
 
 
 def mib(n: float) -> str:
@@ -293,7 +384,8 @@ async def main(args: argparse.Namespace) -> int:
             serve = ["proxy", "--engine", engine.url, "--port", "{port}"]
             proxy = servers.start("trajstore", [*proxy_argv(python, None), *serve], env=env)
             await servers.wait_ready(proxy, http, "/health")
-            memory = ResidentMemory(proxy.process.pid)
+            memory = ResidentMemory(lambda: [proxy.process.pid])
+            reader = ResidentMemory(lambda: children(proxy.process.pid))
             before = memory.now()
 
             # The sessions, at once: `--sessions` long ones and a small one.
@@ -332,20 +424,36 @@ async def main(args: argparse.Namespace) -> int:
                 print(f"  trajstore project: {projected} sessions in "
                       f"{time.perf_counter() - start:.2f} s")  # fmt: skip
 
-            # Every read path, on the small session and on a long one.
+            # Every read path, on the small session and on a long one, timed; then `--rounds`
+            # more of every path over every long session.
             memory.mark()
+            reader.mark()
+            names = [name for name, _ in plan]
             app = create_app(url, ViewerSettings())
             async with app.router.lifespan_context(app):
                 transport = httpx.ASGITransport(app=app)
                 async with httpx.AsyncClient(transport=transport, base_url="http://v") as viewer:
-                    small = await read_paths(http, proxy.url, url, viewer, "small", "run-small",
-                                             args.small, args.runs)  # fmt: skip
-                    large = await read_paths(http, proxy.url, url, viewer, "long-0",
-                                             "run-long-0", args.turns, args.runs)  # fmt: skip
-            peak_reads = memory.peak
+
+                    async def paths(name: str, turns: int, runs: int) -> dict[str, Reading]:
+                        others = [other for other in names if other != name][:2]
+                        return await read_paths(http, proxy.url, url, viewer, name, f"run-{name}",
+                                                turns, runs, others)  # fmt: skip
+
+                    small = await paths("small", args.small, args.runs)
+                    large = await paths("long-0", args.turns, args.runs)
+                    for round_ in range(args.rounds):
+                        for name, turns in plan[:-1]:
+                            await paths(name, turns, 1)
+                        print(
+                            f"  round {round_ + 1} of every read path over the long sessions: "
+                            f"proxy {mib(memory.now())}, reader {mib(reader.now())}",
+                            flush=True,
+                        )
+            peak_reads, reader_peak = memory.peak, reader.peak
             await asyncio.sleep(1)
-            after = memory.now()
+            after, reader_after = memory.now(), reader.now()
             memory.stop()
+            reader.stop()
 
             ratio = args.turns / args.small
             print(f"\nread paths, medians of {args.runs} run(s): {args.small:,} turns, "
@@ -369,6 +477,30 @@ async def main(args: argparse.Namespace) -> int:
             print(f"  peak while reading   {mib(peak_reads)}")
             print(f"  after everything     {mib(after)}  ({mib(after - before)} over before: "
                   f"{'ok' if kept_ok else 'OVER'}, under {mib(MAX_KEPT_BYTES)})")  # fmt: skip
+            print(f"the session reader (proxy.reader, its own process): peak {mib(reader_peak)}, "
+                  f"after the reads {mib(reader_after)} (it exits when idle)")  # fmt: skip
+            pages, whole_read = f"  every page of {PAGE}, cold", "GET /sessions/{id}"
+            per_small = small[pages].median / small[whole_read].median
+            per_large = large[pages].median / large[whole_read].median
+            print(f"paged reads: every page of {PAGE} turns over the whole session's read: "
+                  f"{per_small:.2f}x at {args.small:,} turns, {per_large:.2f}x at {args.turns:,} "
+                  "(linear: about the same; a rebuild per page: the count of pages)")  # fmt: skip
+
+            # SQL over the turns view, before (0017) and after migration 0020, same data.
+            sql = await turns_sql(url, [("run-small", args.small), ("run-long-0", args.turns)],
+                                  whole_up_to=args.small)  # fmt: skip
+            print(
+                f"\nSQL over `turns` WHERE run_id = ..., least of 2 (None: past {SQL_TIMEOUT_S} s)"
+            )
+            print(f"  {'query':<34} {'run':<11} {'0017':>9} {'0020':>9}")
+
+            def secs(value: float | None) -> str:
+                return f"{value:8.3f}s" if value is not None else f"{'>' + str(SQL_TIMEOUT_S):>8}s"
+
+            for (name, run), took in sql["after"].items():
+                was = sql["before"].get((name, run), "-")
+                was_text = secs(was) if was != "-" else f"{'-':>9}"  # type: ignore[arg-type]
+                print(f"  {name:<34} {run:<11} {was_text} {secs(took)}")
         finally:
             servers.stop()
             await dbs.drop_all()
@@ -382,9 +514,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=5_000, help="model calls per long session")
     parser.add_argument("--small", type=int, default=1_000, help="model calls of the small one")
     parser.add_argument("--runs", type=int, default=3, help="reads of each path (medians)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="untimed rounds of every path over every long session (memory)",
+    )
     args = parser.parse_args()
     if args.quick:
-        args.sessions, args.turns, args.small, args.runs = 2, 500, 100, 1
+        args.sessions, args.turns, args.small, args.runs, args.rounds = 2, 500, 100, 1, 1
     return args
 
 
