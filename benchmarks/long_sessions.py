@@ -305,6 +305,34 @@ async def read_paths(
     }
 
 
+async def baseline_paths(
+    http: aiohttp.ClientSession, proxy: str, session_id: str, turns: int, runs: int
+) -> dict[str, Reading]:
+    """The proxy's read paths that both proxies serve, timed (another checkout's proxy)."""
+    base = f"{proxy}/sessions/{session_id}"
+
+    async def get(address: str) -> int:
+        async with http.get(address) as resp:
+            assert resp.status == 200, await resp.text()
+            return len(await resp.read())
+
+    async def pages() -> int:
+        size, address = 0, f"{base}?limit={PAGE}"
+        while address:
+            async with http.get(address) as resp:
+                body = await resp.read()
+            size += len(body)
+            address = orjson.loads(body)["next"]
+        return size
+
+    return {
+        "GET /sessions/{id}": await timed(runs, lambda: get(base)),
+        f"  every page of {PAGE}, cold": await timed(runs, pages),
+        "  first page, cold": await timed(runs, lambda: get(f"{base}?limit={PAGE}")),
+        "  one turn whole (?turn=N)": await timed(runs, lambda: get(f"{base}?turn={turns - 2}")),
+    }
+
+
 #: SQL over the `turns` view of one run, before (migration 0017's view) and after 0020.
 TURNS_SQL = {
     "every column but whole messages": """
@@ -486,6 +514,36 @@ async def main(args: argparse.Namespace) -> int:
                   f"{per_small:.2f}x at {args.small:,} turns, {per_large:.2f}x at {args.turns:,} "
                   "(linear: about the same; a rebuild per page: the count of pages)")  # fmt: skip
 
+            if args.baseline:
+                # The same proxy reads, served by another checkout's proxy (main: before).
+                env = {**os.environ, "TRAJSTORE_DATABASE_URL": url}
+                argv = [*proxy_argv(python, Path(args.baseline)), *serve]
+                other = servers.start("trajstore-baseline", argv, env=env)
+                await servers.wait_ready(other, http, "/health")
+                base_memory = ResidentMemory(lambda: [other.process.pid])
+                base_before = base_memory.now()
+                was_small = await baseline_paths(http, other.url, "small", args.small, args.runs)
+                was_large = await baseline_paths(http, other.url, "long-0", args.turns, args.runs)
+                for _ in range(args.rounds):
+                    for name, turns in plan[:-1]:
+                        await baseline_paths(http, other.url, name, turns, 1)
+                base_peak = base_memory.peak
+                await asyncio.sleep(1)
+                base_after = base_memory.now()
+                base_memory.stop()
+                print(f"\nthe proxy's reads, {args.baseline} (before) and this checkout (after), "
+                      f"medians of {args.runs}")  # fmt: skip
+                print(f"  {'path':<30} {'before':>9} {'after':>9} {'before':>9} {'after':>9}")
+                print(f"  {'':<30} {args.small:>9,} {args.small:>9,} {args.turns:>9,} "
+                      f"{args.turns:>9,}")  # fmt: skip
+                for name, was in was_large.items():
+                    print(f"  {name:<30} {was_small[name].median:8.3f}s "
+                          f"{small[name].median:8.3f}s {was.median:8.3f}s "
+                          f"{large[name].median:8.3f}s")  # fmt: skip
+                print(f"  its resident memory: {mib(base_before)} before the reads, peak "
+                      f"{mib(base_peak)}, after {mib(base_after)} ({mib(base_after - base_before)}"
+                      " over before)")  # fmt: skip
+
             # SQL over the turns view, before (0017) and after migration 0020, same data.
             sql = await turns_sql(url, [("run-small", args.small), ("run-long-0", args.turns)],
                                   whole_up_to=args.small)  # fmt: skip
@@ -514,6 +572,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=5_000, help="model calls per long session")
     parser.add_argument("--small", type=int, default=1_000, help="model calls of the small one")
     parser.add_argument("--runs", type=int, default=3, help="reads of each path (medians)")
+    parser.add_argument(
+        "--baseline", metavar="DIR", help="also time the proxy's reads served by DIR's proxy"
+    )
     parser.add_argument(
         "--rounds",
         type=int,

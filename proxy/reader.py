@@ -44,6 +44,7 @@ from starlette.routing import Route
 
 from trajstore.proxy.errors import BadRequest, NotFound, ProxyError
 from trajstore.store import EventStore
+from trajstore.store.collector import collections_paused, fewer_collections
 from trajstore.store.lineages import Forest
 from trajstore.store.pages import (
     Page,
@@ -107,8 +108,11 @@ class Sessions:
 
 
 def _rebuild(session_id: str, events: list) -> Rebuilt:  # type: ignore[type-arg]
-    record, forest = rebuild_with_lineages(session_id, events)
-    return Rebuilt(len(events), record, forest, branches_of(forest))
+    # No collection while the session's objects are made, all of them alive until it ends: the
+    # collector would walk them again and again (and the kept sessions' with them) for nothing.
+    with collections_paused():
+        record, forest = rebuild_with_lineages(session_id, events)
+        return Rebuilt(len(events), record, forest, branches_of(forest))
 
 
 def _error(exc: ProxyError) -> Response:
@@ -192,7 +196,9 @@ def create_app(database_url: str, public_url: str, idle_timeout: float) -> Starl
             state["sessions"] = Sessions(store)
             watch = asyncio.create_task(_exit_when_idle(activity, idle_timeout))
             try:
-                yield
+                # As the proxy does: young collections rarer, start-up objects frozen.
+                with fewer_collections(freeze=True):
+                    yield
             finally:
                 watch.cancel()
 
