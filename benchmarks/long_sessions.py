@@ -1,7 +1,7 @@
-"""Long agent sessions through the proxy, then every read path over them (issue 35).
+"""Long agent sessions through the proxy, then every read path over them (issues 35, 43).
 
     python benchmarks/long_sessions.py [--quick] [--sessions 3] [--turns 5000] [--small 1000]
-                                       [--runs 3]
+                                       [--runs 3] [--rounds 2] [--baseline DIR]
 
 Starts the fake engine (tests/proxy/fake_engine.py, answering every request that has tools with
 a tool call) and `trajstore proxy` recording into a scratch database. Then `--sessions` agents of
@@ -15,21 +15,29 @@ received (usage) are reconciled with what the log stores.
 
 Then, on the small session and on one long one, each read path (medians of `--runs`):
 
-- `GET /sessions/{id}` through the proxy, without options (the whole session, streamed), in
-  pages of 1,000 turns (`?limit=1000`, following `next`), and one turn whole (`?turn=N`);
+- `GET /sessions/{id}` through the proxy (answered by its reader process, `proxy.reads`):
+  without options (the whole session, streamed); every page of `PAGE` turns following `next`,
+  cold (two other sessions read first, so the reader keeps this one no more) and kept; the first
+  page cold; a page kept; one turn whole, as `?turn=N` and as `/turns/N`;
 - the projection: the session's events read, folded and made samples (`store.samples`), as the
   projector does per session; then `trajstore project` once for all of them;
 - `trajstore export` of the session (its own run), Parquet;
 - `replay session --json`: read, rebuilt, lineages, timeline, JSON written (to /dev/null);
 - the viewer: the session's page (its cache emptied first) and its last turn's body.
 
-Each path's time at `--turns` over its time at `--small`: linear in turns when it is near the
-ratio of turns. And the proxy's resident memory: before the sessions, at its peak (sampled every
-50 ms), after the writes, and after every read (within 100 MB of before). Exits non-zero when a
-token is missing from the log, when `GET /sessions/{id}` without options is 10 MB or more at
-`--turns`, or when the proxy keeps 100 MB more than before. TRAJSTORE_DATABASE_URL's server,
-else the embedded one (it needs the right to create databases). `--quick` (CI): 2 sessions of
-500 turns and one of 100, one run.
+Then `--rounds` more rounds of every path over every long session. Each path's time at `--turns`
+over its time at `--small`: linear in turns when it is near the ratio of turns. The proxy's
+resident memory (and its reader's): before the sessions, at its peak (sampled every 50 ms),
+after the writes, and after all the reads. With `--baseline DIR` (a checkout of main, say), that
+checkout's proxy serves the proxy's read paths over the same database too: their times beside
+this one's, and its memory before and after. Last, SQL over the `turns` view of the small run
+and a long one, with the view as migration 0017 left it (the store migrated down) and as 0020
+makes it, on the same data.
+
+Exits non-zero when a token is missing from the log, when `GET /sessions/{id}` without options
+is 10 MB or more at `--turns`, or when the proxy keeps 100 MB more than before.
+TRAJSTORE_DATABASE_URL's server, else the embedded one (it needs the right to create
+databases). `--quick` (CI): 2 sessions of 500 turns and one of 100, one run, one round.
 """
 
 from __future__ import annotations
@@ -548,7 +556,7 @@ async def main(args: argparse.Namespace) -> int:
             sql = await turns_sql(url, [("run-small", args.small), ("run-long-0", args.turns)],
                                   whole_up_to=args.small)  # fmt: skip
             print(
-                f"\nSQL over `turns` WHERE run_id = ..., least of 2 (None: past {SQL_TIMEOUT_S} s)"
+                f"\nSQL over `turns` WHERE run_id = ..., least of 2 (>{SQL_TIMEOUT_S}: cut off)"
             )
             print(f"  {'query':<34} {'run':<11} {'0017':>9} {'0020':>9}")
 
