@@ -555,9 +555,7 @@ async def main(args: argparse.Namespace) -> int:
             # SQL over the turns view, before (0017) and after migration 0020, same data.
             sql = await turns_sql(url, [("run-small", args.small), ("run-long-0", args.turns)],
                                   whole_up_to=args.small)  # fmt: skip
-            print(
-                f"\nSQL over `turns` WHERE run_id = ..., least of 2 (>{SQL_TIMEOUT_S}: cut off)"
-            )
+            print(f"\nSQL over `turns` WHERE run_id = ..., least of 2 (>{SQL_TIMEOUT_S}: cut off)")
             print(f"  {'query':<34} {'run':<11} {'0017':>9} {'0020':>9}")
 
             def secs(value: float | None) -> str:
