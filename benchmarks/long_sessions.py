@@ -63,6 +63,7 @@ import orjson
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
 from overhead_servers import ROOT, Servers, proxy_argv
 
+from tests.long_session import record_long_session
 from trajstore.store import EventStore
 from trajstore.store.embedded import database_url
 from trajstore.store.export import export
@@ -314,9 +315,11 @@ async def read_paths(
 
 
 async def baseline_paths(
-    http: aiohttp.ClientSession, proxy: str, session_id: str, turns: int, runs: int
-) -> dict[str, Reading]:
-    """The proxy's read paths that both proxies serve, timed (another checkout's proxy)."""
+    http: aiohttp.ClientSession, proxy: str, session_id: str, turns: int, runs: int,
+    *, paged: bool = True,
+) -> dict[str, Reading]:  # fmt: skip
+    """The proxy's read paths that both proxies serve, timed (another checkout's proxy); every
+    page only when `paged` (a rebuild per page there: minutes at 5,000 turns)."""
     base = f"{proxy}/sessions/{session_id}"
 
     async def get(address: str) -> int:
@@ -333,12 +336,12 @@ async def baseline_paths(
             address = orjson.loads(body)["next"]
         return size
 
-    return {
-        "GET /sessions/{id}": await timed(runs, lambda: get(base)),
-        f"  every page of {PAGE}, cold": await timed(runs, pages),
-        "  first page, cold": await timed(runs, lambda: get(f"{base}?limit={PAGE}")),
-        "  one turn whole (?turn=N)": await timed(runs, lambda: get(f"{base}?turn={turns - 2}")),
-    }
+    read = {"GET /sessions/{id}": await timed(runs, lambda: get(base))}
+    if paged:
+        read[f"  every page of {PAGE}, cold"] = await timed(runs, pages)
+    read["  first page, cold"] = await timed(runs, lambda: get(f"{base}?limit={PAGE}"))
+    read["  one turn whole (?turn=N)"] = await timed(runs, lambda: get(f"{base}?turn={turns - 2}"))
+    return read
 
 
 #: SQL over the `turns` view of one run, before (migration 0017's view) and after 0020.
@@ -427,22 +430,33 @@ async def main(args: argparse.Namespace) -> int:
             # The sessions, at once: `--sessions` long ones and a small one.
             plan = [(f"long-{i}", args.turns) for i in range(args.sessions)]
             plan.append(("small", args.small))
-            tallies = {name: Tally() for name, _ in plan}
+            through = plan
+            if args.direct is not None:
+                # Read at full size on a loaded machine: the sessions written straight to the
+                # log in tests/long_session.py's shape, and one of `--direct` calls through the
+                # proxy for the figures of writing.
+                async with await EventStore.open(url) as store:
+                    for name, turns in plan:
+                        await record_long_session(store, turns, session_id=name,
+                                                  run_id=f"run-{name}")  # fmt: skip
+                through = [("writer", args.direct)]
+            tallies = {name: Tally() for name, _ in through}
             start = time.perf_counter()
             await asyncio.gather(*(
                 Agent(http, proxy.url, name, f"run-{name}").run_turns(turns, tallies[name])
-                for name, turns in plan
+                for name, turns in through
             ))  # fmt: skip
             wrote = time.perf_counter() - start
             after_writes, peak_writes = memory.now(), memory.peak
             calls = sum(t.calls for t in tallies.values())
-            print(f"{len(plan)} sessions ({args.sessions} x {args.turns} calls, 1 x {args.small}) "
+            longest = max(t.longest_prompt for t in tallies.values())
+            print(f"{len(through)} session(s) ({', '.join(f'{t:,}' for _, t in through)} calls) "
                   f"through the proxy in {wrote:.1f} s ({calls / wrote:.0f} calls/s); "
-                  f"longest prompt {tallies['long-0'].longest_prompt:,} tokens")  # fmt: skip
+                  f"longest prompt {longest:,} tokens")  # fmt: skip
 
             # Tokens the agents were told of = tokens the log holds.
             async with await EventStore.open(url) as store:
-                for name, _ in plan:
+                for name, _ in through:
                     record = rebuild_session(name, await store.read_session(name))
                     stored_prompt = sum(t.n_prompt_tokens or 0 for t in record.turns)
                     stored_completion = sum(len(c.token_ids) for t in record.turns
@@ -515,12 +529,11 @@ async def main(args: argparse.Namespace) -> int:
                   f"{'ok' if kept_ok else 'OVER'}, under {mib(MAX_KEPT_BYTES)})")  # fmt: skip
             print(f"the session reader (proxy.reader, its own process): peak {mib(reader_peak)}, "
                   f"after the reads {mib(reader_after)} (it exits when idle)")  # fmt: skip
-            pages, whole_read = f"  every page of {PAGE}, cold", "GET /sessions/{id}"
-            per_small = small[pages].median / small[whole_read].median
-            per_large = large[pages].median / large[whole_read].median
-            print(f"paged reads: every page of {PAGE} turns over the whole session's read: "
-                  f"{per_small:.2f}x at {args.small:,} turns, {per_large:.2f}x at {args.turns:,} "
-                  "(linear: about the same; a rebuild per page: the count of pages)")  # fmt: skip
+            pages = f"  every page of {PAGE}, cold"
+            grew = large[pages].median / small[pages].median
+            print(f"paged reads: every page of {PAGE} turns, cold, took {grew:.1f}x as long at "
+                  f"{args.turns:,} turns as at {args.small:,} (linear: about {ratio:.0f}x; a "
+                  f"rebuild per page: about {ratio * ratio:.0f}x)")  # fmt: skip
 
             if args.baseline:
                 # The same proxy reads, served by another checkout's proxy (main: before).
@@ -534,7 +547,7 @@ async def main(args: argparse.Namespace) -> int:
                 was_large = await baseline_paths(http, other.url, "long-0", args.turns, args.runs)
                 for _ in range(args.rounds):
                     for name, turns in plan[:-1]:
-                        await baseline_paths(http, other.url, name, turns, 1)
+                        await baseline_paths(http, other.url, name, turns, 1, paged=False)
                 base_peak = base_memory.peak
                 await asyncio.sleep(1)
                 base_after = base_memory.now()
@@ -578,6 +591,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=5_000, help="model calls per long session")
     parser.add_argument("--small", type=int, default=1_000, help="model calls of the small one")
     parser.add_argument("--runs", type=int, default=3, help="reads of each path (medians)")
+    parser.add_argument(
+        "--direct",
+        type=int,
+        metavar="N",
+        help="write the sessions straight to the log, and "
+        "N calls through the proxy (a loaded machine: 5,000 turns through it take an hour)",
+    )
     parser.add_argument(
         "--baseline", metavar="DIR", help="also time the proxy's reads served by DIR's proxy"
     )
