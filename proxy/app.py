@@ -1,7 +1,8 @@
 """The proxy's HTTP API: sessions, OpenAI-compatible model calls, health, metrics, admin.
 
     POST /sessions                                  create (idempotent per client-chosen id)
-    GET  /sessions/{id}                             the session as recorded
+    GET  /sessions/{id}                             the session as recorded (a page, `?turn=N`)
+    GET  /sessions/{id}/turns/{n}                   one turn whole
     POST /sessions/{id}/reward | finish | discard
     POST /sessions/{id}/v1/chat/completions         OpenAI-compatible, per session base URL
     POST /sessions/{id}/v1/completions              (these and the X-Session-Id variants under
@@ -27,12 +28,13 @@ import os
 import secrets
 import signal
 import sys
+import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import aiohttp
-from fastapi import Depends, FastAPI, Header, Query, Request, WebSocket
+from fastapi import Depends, FastAPI, Header, Path, Query, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
@@ -52,6 +54,7 @@ from trajstore.proxy.forwarding import Forwarder
 from trajstore.proxy.lineages import turn_in_log
 from trajstore.proxy.metrics import ProxyMetrics
 from trajstore.proxy.model_calls import BodyLimit, ModelCalls
+from trajstore.proxy.reads import Reader
 from trajstore.proxy.reaper import Reaper
 from trajstore.proxy.relay_channel import accept_relay
 from trajstore.proxy.replicas import connection_name, new_replica_id
@@ -60,7 +63,6 @@ from trajstore.proxy.settings import ProxySettings
 from trajstore.proxy.transport import TransportError
 from trajstore.store import EventStore, StoreError
 from trajstore.store.collector import fewer_collections
-from trajstore.store.pages import Page, rebuild_with_lineages, session_pieces
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class ProxyState:
     metrics: ProxyMetrics
     public_url: str
     admission: Admission
+    reader: Reader
 
 
 class ProxyApp(FastAPI):
@@ -157,6 +160,12 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
             metrics=metrics,
             public_url=public_url,
             admission=admission,
+            reader=Reader(
+                database_url,
+                public_url,
+                max_bytes=settings.reader_max_bytes,
+                idle_timeout=settings.reader_idle_timeout,
+            ),
         )
         watchdog = asyncio.create_task(_watch_event_loop(metrics), name="loop-watchdog")
         follower = asyncio.create_task(registry.follow(), name="session-facts-follower")
@@ -183,6 +192,7 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await reaping
             await engines.close()
+            await app.state.proxy.reader.close()
             try:
                 await writer.close()  # everything recorded is made durable before we exit
             finally:
@@ -227,6 +237,29 @@ def _require_orchestrator_key(
     state: ProxyState, session_id: str, authorization: str | None
 ) -> None:
     require_orchestrator_key(state.registry, state.settings.api_key, session_id, authorization)
+
+
+async def _read(
+    state: ProxyState,
+    session_id: str,
+    authorization: str | None,
+    under: str,
+    params: dict[str, str] | None = None,
+) -> Response:
+    """A session read: checked and flushed here, answered by the reader process (`proxy.reads`),
+    passed on a chunk at a time; its status and errors as the reader gives them."""
+    _require_session_key(state, session_id, authorization)
+    await state.registry.get(session_id)
+    await state.registry.writer.flush()  # show what this replica recorded so far
+    path = f"/sessions/{urllib.parse.quote(session_id, safe='')}{under}"
+    answer = await state.reader.get(path, params or {})
+    if answer.status != 200:
+        try:
+            body = await answer.read()
+        finally:
+            answer.release()
+        return Response(body, status_code=answer.status, media_type="application/json")
+    return StreamingResponse(state.reader.relay(answer), media_type="application/json")
 
 
 # -- routes ------------------------------------------------------------------------------------
@@ -291,23 +324,24 @@ def _add_routes(app: FastAPI) -> None:
         `lineage` and `branch`; with `after` and `limit`, a page of turns and `next`, the URL of
         the page after it; with `turn`, that turn also whole (`prompt_token_ids`, all its
         `messages`) when the page holds it. See `store.pages`."""
-        _require_session_key(state, session_id, authorization)
-        await state.registry.get(session_id)
-        await state.registry.writer.flush()  # show what this replica recorded so far
-        events = await state.store.read_session(session_id)
-        # Rebuilt and its lineages found off the event loop: a long session takes a while.
-        record, forest = await asyncio.to_thread(rebuild_with_lineages, session_id, events)
-        del events
-        if turn is not None and turn >= len(record.turns):
-            raise NotFound(f"session {session_id!r} has {len(record.turns)} turns")
-        page = Page(first=after + 1, limit=limit, whole=turn)
-        next_url = None
+        params = {"after": str(after)}
+        if turn is not None:
+            params["turn"] = str(turn)
         if limit is not None:
-            last = page.end(len(record.turns)) - 1
-            next_url = f"{state.public_url}/sessions/{session_id}?after={last}&limit={limit}"
-        pieces = session_pieces(record, page, next_url, forest)
-        # A sync iterator: Starlette writes it from a thread, a piece at a time.
-        return StreamingResponse(pieces, media_type="application/json")
+            params["limit"] = str(limit)
+        return await _read(state, session_id, authorization, "", params)
+
+    @app.get("/sessions/{session_id}/turns/{n}")
+    async def get_turn(
+        session_id: str,
+        n: Annotated[int, Path(ge=0, description="The turn's index in the session")],
+        state: State,
+        authorization: Authorization = None,
+    ) -> Response:
+        """One turn whole: the turn as a page shows it (`index`, `lineage`, `branch`, its tools
+        in full) with its whole `prompt_token_ids` and all its `messages`, without the rest of
+        the page. The same key as the session's read."""
+        return await _read(state, session_id, authorization, f"/turns/{n}")
 
     @app.post("/sessions/{session_id}/reward")
     async def reward(

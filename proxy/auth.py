@@ -3,7 +3,7 @@ holds its session's `api_key` (its OPENAI_API_KEY / ANTHROPIC_API_KEY).
 
     call                           admin key   orchestrator key   session api_key   no key
     model calls of the session     yes         no                 yes               no
-    GET /sessions/{id}             yes         yes                yes               open proxy
+    GET /sessions/{id}[/turns/n]   yes         yes                yes               open proxy
     reward, finish, discard        yes         yes                NO                open proxy
     POST /sessions, /admin/*       yes         no                 no                open proxy
 

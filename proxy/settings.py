@@ -111,6 +111,19 @@ class ProxySettings(BaseSettings):
         "sessions go first, and one session keeps at most half of it (its oldest turns go "
         "first). What went is read back from the log when a request needs it.",
     )
+    reader_max_bytes: int = Field(
+        default=1 << 30,
+        ge=64 << 20,
+        description="Resident bytes past which the process that answers session reads "
+        "(`GET /sessions/{id}`, `proxy.reader`) is replaced by a fresh one; the reads never "
+        "grow the recording proxy itself.",
+    )
+    reader_idle_timeout: float = Field(
+        default=120.0,
+        gt=0,
+        description="Seconds without a session read after which the reader process exits, its "
+        "memory back to the system (the next read starts another, about a second).",
+    )
     session_idle_timeout: float = Field(
         default=3600.0,
         ge=0,

@@ -193,6 +193,11 @@ class EventStore:
             )
         return events
 
+    async def count_session_events(self, session_id: str) -> int:
+        """How many events the session has (it changed since when this changed)."""
+        async with unavailable_as_store_error():
+            return int(await self.pool.fetchval(queries.COUNT_SESSION_EVENTS, session_id))
+
     async def read_all(self, *, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
         """Up to `limit` events in global order, after the event at position `after` (0: start).
 

@@ -80,12 +80,30 @@ def branches_of(forest: Forest) -> dict[int, tuple[int, int]]:
     return placed
 
 
+def turn_view(
+    record: SessionRecord, index: int, placed: dict[int, tuple[int, int]], *, whole: bool = False
+) -> dict[str, Any]:
+    """Turn `index` as a page shows it: what it added (with `whole`, also its whole prompt and
+    messages), its `index`, `lineage` and `branch` (`placed`: `branches_of`), its tools given in
+    full (`tools_from` None: a page may name an earlier turn's instead)."""
+    view = record.turns[index].as_json(whole=whole)
+    view["index"] = index
+    view["lineage"], view["branch"] = placed.get(index, (None, None))
+    view["tools_from"] = None
+    return view
+
+
 def session_pieces(
-    record: SessionRecord, page: Page, next_url: str | None = None, forest: Forest | None = None
+    record: SessionRecord,
+    page: Page,
+    next_url: str | None = None,
+    forest: Forest | None = None,
+    placed: dict[int, tuple[int, int]] | None = None,
 ) -> Iterator[bytes]:
     """The session's JSON document in pieces (their concatenation is one JSON object): its
     facts, the page's turns with their lineage, the lineages, and `next` (`next_url`, or null
-    when the page reaches the last turn)."""
+    when the page reaches the last turn). `forest` and `placed` (`branches_of` it), when the
+    caller kept them, make a page cost its own turns."""
     forest = assign(record) if forest is None else forest
     facts = record.as_json(turns=False)
     end = page.end(len(record.turns))
@@ -98,17 +116,14 @@ def session_pieces(
     )
     head = orjson.dumps(facts)
     yield head[:-1] + b',"turns":['
-    placed = branches_of(forest)
+    placed = branches_of(forest) if placed is None else placed
     given: tuple[int, Any] | None = None  # the page's last turn that gave its tools in full
     for start in range(page.first, end, TURNS_PER_PIECE):
         views = []
         for index in range(start, min(start + TURNS_PER_PIECE, end)):
-            view = record.turns[index].as_json(whole=index == page.whole)
-            view["index"] = index
-            view["lineage"], view["branch"] = placed.get(index, (None, None))
+            view = turn_view(record, index, placed, whole=index == page.whole)
             # An agent sends its tools with every request (opencode: tens of KB): given once a
             # page, then `tools_from` names the turn of this page that gave them.
-            view["tools_from"] = None
             if view["tools"] is not None:
                 if given is not None and view["tools"] == given[1]:
                     view["tools"], view["tools_from"] = None, given[0]

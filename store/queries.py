@@ -85,6 +85,10 @@ WHERE session_id = $1
 ORDER BY tx_id, position
 """
 
+#: How many events a session has: the log only grows, so an unchanged count is an unchanged
+#: session (the proxy's reader keeps a rebuilt session while it holds; an index-only count).
+COUNT_SESSION_EVENTS = "SELECT count(*) FROM events WHERE session_id = $1"
+
 # The global order is (tx_id, position). Positions are handed out when rows are inserted, not
 # when they commit, so a transaction that started earlier can commit a smaller position after
 # readers have passed it. Stopping below the oldest transaction still in flight (the snapshot's

@@ -107,7 +107,7 @@ async def test_migrations_produce_exactly_the_declared_schema(
     for name in CATALOG_QUERIES:
         assert migrated[name] == declared[name], name
     assert len(migrated["triggers"]) == 6
-    assert len(migrated["functions"]) == 4
+    assert len(migrated["functions"]) == 5
     assert migrated["partitions"] == [("events", "events_default")]
     assert [view for view, _ in migrated["views"]] == ["trajectories", "turns"]
     grants = {(who, table, what) for who, table, what in migrated["grants"]}
