@@ -8,6 +8,18 @@
 Weights and AdamW state stay float32 on the device (bf16 autocast on a GPU computes the passes;
 `trainer.device`). Packed rows get per-sample attention (`trainer.attention`).
 
+Memory per token (what lets a 64 k-token sample train on one GPU):
+
+    logprobs="chunked"       the model's last hidden states through the output layer in chunks,
+                             only at the tokens the loss trains on, the logits recomputed in the
+                             backward (`trainer.logprobs`): no [tokens, vocab] tensor. "full" is
+                             the model's logits and a log_softmax over them (the reference).
+    gradient_checkpointing   each decoder layer's activations recomputed in the backward instead
+                             of kept: a layer's input per token instead of all its intermediates
+                             (Hugging Face's non-reentrant checkpointing; ~1/3 more compute).
+    micro_token_budget       rows per forward pass by padded tokens (`trainer.microbatch`); a
+                             row longer than the budget goes alone, never cut.
+
 pi_old: with one update per batch, pi_old is the policy being trained at the moment of the
 update, so its logprobs are the current ones, detached (ratio exactly 1): no second forward
 pass is needed. With several updates per batch (PPO epochs), pi_old is computed once, without
@@ -27,8 +39,12 @@ from tensordict import TensorDict
 from trajstore.trainer import attention, microbatch
 from trajstore.trainer.device import autocast, default_autocast, resolve_device, to_device
 from trajstore.trainer.errors import TrainerError
+from trajstore.trainer.logprobs import DEFAULT_CHUNK_TOKENS, needed_positions, row_logprobs
 from trajstore.trainer.loss import LossConfig, policy_loss, token_logprobs
 from trajstore.trainer.vision import MULTI_MODAL_INPUTS, VisionProcessor, model_inputs
+
+#: How `Learner.logprobs` computes the logprobs (see the module docstring).
+LOGPROBS = ("chunked", "full")
 
 
 @dataclass(frozen=True)
@@ -39,6 +55,9 @@ class LearnerConfig:
     autocast: bool | None = None  #: bf16 autocast; None: on for a GPU, off on the CPU
     attention: str = "sdpa"  #: sdpa | flex: how packed rows attend per sample
     micro_token_budget: int | None = None  #: padded tokens per forward pass (None: whole batch)
+    logprobs: str = "chunked"  #: chunked | full: how the output layer's logprobs are computed
+    logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS  #: tokens per chunk of the output layer
+    gradient_checkpointing: bool = False  #: recompute each layer's activations in the backward
     pad_multiple: int = 1  #: rows cut to a multiple of this (fewer shapes for a GPU's kernels)
     lr: float = 3e-3  #: AdamW learning rate
     max_grad_norm: float = 1.0
@@ -47,6 +66,16 @@ class LearnerConfig:
     #: (what "TIS off" means in `benchmarks/learning.py`)
     importance_weights: bool = True
     loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        if self.logprobs not in LOGPROBS:
+            raise TrainerError(
+                f"unknown logprobs {self.logprobs!r}: use one of {', '.join(LOGPROBS)}"
+            )
+        if self.logprob_chunk_tokens < 1:
+            raise TrainerError(
+                f"logprob_chunk_tokens must be >= 1, not {self.logprob_chunk_tokens}"
+            )
 
 
 @dataclass(frozen=True)
@@ -70,6 +99,11 @@ class Learner:
         )
         self.model = model.to(device=self.device, dtype=torch.float32)  # master weights
         self.model.train()
+        if self.config.gradient_checkpointing:
+            # Non-reentrant: works with inputs that need no grad and with autocast.
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         self.optimiser = torch.optim.AdamW(
             self.model.parameters(),
             lr=self.config.lr,
@@ -108,16 +142,30 @@ class Learner:
         """The model's logprob of each token of the rows (`trainer.loss.token_logprobs`).
 
         A sample's first token has no context: 0, as alone (in a packed row the position before
-        it is the previous sample's last token, whose prediction is meaningless here).
+        it is the previous sample's last token, whose prediction is meaningless here). With
+        `logprobs="chunked"`, only the tokens the loss trains on are computed; the others are 0.
         """
         inputs = attention.model_inputs(tensors, self.config.attention, packed)
         images = tensors.get_non_tensor(MULTI_MODAL_INPUTS, default=None)
         if images and any(images):  # a VLM's rows with images: their pixels (`trainer.vision`)
             inputs |= {k: v.to(self.device) for k, v in model_inputs(images).items()}
+        if self.config.logprobs == "full":
+            with autocast(self.device, self.autocast):
+                logits = self.model(**inputs).logits
+            logprobs = token_logprobs(logits, tensors["input_ids"])
+            return logprobs.masked_fill(tensors["position_ids"] == 0, 0.0)
         with autocast(self.device, self.autocast):
-            logits = self.model(**inputs).logits
-        logprobs = token_logprobs(logits, tensors["input_ids"])
-        return logprobs.masked_fill(tensors["position_ids"] == 0, 0.0)
+            # The decoder alone: its last hidden states, not the logits (`trainer.logprobs`).
+            hidden = self.model.base_model(**inputs, use_cache=False).last_hidden_state
+        return row_logprobs(
+            hidden,
+            self.model.get_output_embeddings().weight,
+            tensors["input_ids"],
+            needed_positions(tensors["loss_mask"], tensors["position_ids"]),
+            chunk_tokens=self.config.logprob_chunk_tokens,
+            # The dtype the output layer computes in under autocast, as the full path's lm_head.
+            compute_dtype=torch.bfloat16 if self.autocast else None,
+        )
 
     def step(self, prepared: Prepared) -> dict[str, float]:
         """One optimiser step (or `updates_per_batch`) on the batch; its metrics.
