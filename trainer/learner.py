@@ -12,8 +12,9 @@ Memory per token (what lets a 64 k-token sample train on one GPU):
 
     logprobs="chunked"       the model's last hidden states through the output layer in chunks,
                              only at the tokens the loss trains on, the logits recomputed in the
-                             backward (`trainer.logprobs`): no [tokens, vocab] tensor. "full" is
-                             the model's logits and a log_softmax over them (the reference).
+                             backward (`trainer.logprobs`): no [tokens, vocab] tensor. "liger":
+                             the same by Liger-Kernel's fused kernels (a GPU, the package).
+                             "full": the model's logits and a log_softmax (the reference).
     gradient_checkpointing   each decoder layer's activations recomputed in the backward instead
                              of kept: a layer's input per token instead of all its intermediates
                              (Hugging Face's non-reentrant checkpointing; ~1/3 more compute).
@@ -44,7 +45,7 @@ from trajstore.trainer.loss import LossConfig, policy_loss, token_logprobs
 from trajstore.trainer.vision import MULTI_MODAL_INPUTS, VisionProcessor, model_inputs
 
 #: How `Learner.logprobs` computes the logprobs (see the module docstring).
-LOGPROBS = ("chunked", "full")
+LOGPROBS = ("chunked", "full", "liger")
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class LearnerConfig:
     autocast: bool | None = None  #: bf16 autocast; None: on for a GPU, off on the CPU
     attention: str = "sdpa"  #: sdpa | flex: how packed rows attend per sample
     micro_token_budget: int | None = None  #: padded tokens per forward pass (None: whole batch)
-    logprobs: str = "chunked"  #: chunked | full: how the output layer's logprobs are computed
+    logprobs: str = "chunked"  #: chunked | full | liger (a GPU): the output layer's logprobs
     logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS  #: tokens per chunk of the output layer
     gradient_checkpointing: bool = False  #: recompute each layer's activations in the backward
     pad_multiple: int = 1  #: rows cut to a multiple of this (fewer shapes for a GPU's kernels)
@@ -165,6 +166,7 @@ class Learner:
             chunk_tokens=self.config.logprob_chunk_tokens,
             # The dtype the output layer computes in under autocast, as the full path's lm_head.
             compute_dtype=torch.bfloat16 if self.autocast else None,
+            kernel=self.config.logprobs,
         )
 
     def step(self, prepared: Prepared) -> dict[str, float]:

@@ -20,6 +20,10 @@ The cost: one more `h W^T` per chunk in the backward (a 0.5B model's output laye
 quarter of its FLOPs per token). The gain beyond memory: only the positions the loss trains on go
 through the output layer at all (`needed_positions`): a prompt token's logprob is never used.
 
+On a GPU, `logprobs="liger"` does the same with Liger-Kernel's fused linear cross-entropy
+(Triton kernels; `reduction="none"` recomputes per chunk in its backward too): measured against
+this one by `benchmarks/gpu.py --long` (docs/performance.md).
+
 Precision: `compute_dtype` is the dtype of the two matmuls (bf16 under a GPU's autocast, as the
 plain path's `lm_head` computes there; float32 on the CPU); softmax, log-sum-exp and the weight's
 gradient accumulate in float32.
@@ -30,6 +34,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from trajstore.trainer.errors import TrainerError
 
 #: Tokens per chunk: [2,048, 151,936] float32 logits are 1.2 GB, a few times that in flight.
 DEFAULT_CHUNK_TOKENS = 2048
@@ -102,8 +108,39 @@ def chunked_logprobs(
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     dtype = compute_dtype or hidden.dtype
-    result: torch.Tensor = _ChunkedLogprobs.apply(hidden, weight, targets, chunk_tokens, dtype)
+    result: torch.Tensor = _ChunkedLogprobs.apply(  # type: ignore[no-untyped-call]
+        hidden, weight, targets, chunk_tokens, dtype
+    )
     return result
+
+
+def liger_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`chunked_logprobs` by Liger-Kernel's fused linear cross-entropy (Triton, GPU only).
+
+    Its `reduction="none"` keeps the per-token loss and, given a per-token gradient, recomputes
+    the chunks in its backward as ours does (Liger >= 0.8.5). Minus the cross-entropy is the
+    logprob. `TrainerError` when the package (and Triton) is not installed.
+    """
+    try:
+        from liger_kernel.transformers.functional import (  # type: ignore[import-not-found]
+            liger_fused_linear_cross_entropy,
+        )
+    except ImportError as exc:
+        raise TrainerError(
+            f"logprobs='liger' needs the liger-kernel package and a GPU ({exc}); "
+            "use logprobs='chunked' (the same result, in PyTorch)"
+        ) from exc
+    dtype = compute_dtype or hidden.dtype
+    loss: torch.Tensor = liger_fused_linear_cross_entropy(
+        hidden.to(dtype), weight.to(dtype), targets, reduction="none"
+    )
+    return -loss.float()
 
 
 def needed_positions(loss_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -123,23 +160,24 @@ def row_logprobs(
     *,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     compute_dtype: torch.dtype | None = None,
+    kernel: str = "chunked",
 ) -> torch.Tensor:
     """`[rows, length]` float32: each needed token's logprob given the ones before it, else 0.
 
     `hidden` is the model's last hidden state, `[rows, length, hidden]`: the state at t - 1
     predicts token t, as `token_logprobs` lines them up. Only `needed` tokens go through the
-    output layer (`chunked_logprobs`).
+    output layer, by `chunked_logprobs` (`kernel="chunked"`) or `liger_logprobs` ("liger").
     """
     rows, length = input_ids.shape
     predicts = needed.clone()
     predicts[:, 0] = False  # nothing before the first column predicts it
     row, col = predicts.nonzero(as_tuple=True)
-    picked = chunked_logprobs(
-        hidden[row, col - 1],
-        weight,
-        input_ids[row, col],
-        chunk_tokens=chunk_tokens,
-        compute_dtype=compute_dtype,
-    )
+    states, targets = hidden[row, col - 1], input_ids[row, col]
+    if kernel == "liger":
+        picked = liger_logprobs(states, weight, targets, compute_dtype=compute_dtype)
+    else:
+        picked = chunked_logprobs(
+            states, weight, targets, chunk_tokens=chunk_tokens, compute_dtype=compute_dtype
+        )
     out = torch.zeros(rows, length, dtype=torch.float32, device=hidden.device)
     return out.index_put((row, col), picked)

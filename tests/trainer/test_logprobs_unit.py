@@ -106,6 +106,18 @@ def test_an_unknown_logprobs_mode_is_named() -> None:
         LearnerConfig(logprobs="fast")
 
 
+def test_liger_without_its_package_says_what_to_use(model_dir: Path) -> None:
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("liger-kernel is installed here: the GPU benchmark measures that path")
+    learner = Learner.load(model_dir, LearnerConfig(device="cpu", logprobs="liger"))
+    with pytest.raises(TrainerError, match=r"needs the liger-kernel package.*'chunked'"):
+        learner.logprobs(collate([samples([20])]), packed=False)
+
+
 #: The 16 k-token step, in a fresh process so that its peak RSS is its own. The model has a
 #: scaled-down but wide vocabulary (32,768 ids): one [16 k, vocab] float32 tensor is 2.1 GB, the
 #: full path keeps several; the chunked path with checkpointing must stay under BOUND_MB.
