@@ -29,6 +29,7 @@ Recomputation (checkpointing, the chunked backward) is work done but not counted
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
@@ -142,6 +143,15 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+async def free_loop(device: torch.device) -> None:
+    """`free`, once the loop's left-over prefetch (a generator left by a break or an error,
+    whose reading task holds the learner) has been closed by asyncio's finaliser."""
+    for _ in range(5):
+        gc.collect()
+        await asyncio.sleep(0.02)
+    free(device)
+
+
 async def loop_case(
     store: EventStore, run_id: str, case: dict[str, Any], args: argparse.Namespace,
     shape: dict[str, Any], *, pack: bool, batch_size: int, budget: int | None,
@@ -185,10 +195,10 @@ async def loop_case(
                    "message": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}  # fmt: skip
         learner = None  # type: ignore[assignment]
         del exc  # its traceback holds the failed step's tensors
-        free(device)
+        await free_loop(device)
         return result
     del learner
-    free(device)
+    await free_loop(device)
     measured = history[warmup:] or history[-1:]
     wall = sum(m["wait_seconds"] + m["step_seconds"] for m in measured)
     first = len(history) - len(measured) + 1
