@@ -225,6 +225,13 @@ if __name__ == "__main__":
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--long", action="store_true", help="the long-context mode (gpu_long.py)")
     parser.add_argument("--out", type=Path, help="--long: the results' JSON, rewritten per case")
+    parser.add_argument(
+        "--cases",
+        default="today,head,long,longest",
+        help="--long: which groups of cases run (gpu_long.py)",
+    )
+    parser.add_argument("--variants",
+                        help="--long: only these variants of today (full,chunked,...)")  # fmt: skip
     parser.add_argument("--deadline", type=float, default=360.0,
                         help="--long: seconds after which no case starts")  # fmt: skip
     args = parser.parse_args()

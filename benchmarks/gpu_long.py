@@ -160,13 +160,14 @@ async def loop_case(
     """One configuration of the recipe's loop; its figures, or how it failed."""
     device = resolve_device(args.device)
     attention = "flex" if pack else "sdpa"
+    budget = case.get("row_tokens", budget)  # packed rows of another length
     learner_config = LearnerConfig(
         device=args.device, attention=attention, logprobs=case["logprobs"],
-        gradient_checkpointing=case["checkpointing"],
+        gradient_checkpointing=case["checkpointing"], micro_token_budget=case.get("micro"),
         pad_multiple=budget if pack and budget else 64,
     )  # fmt: skip
-    config = RecipeConfig(batch_size=1 if pack else batch_size, token_budget=budget if pack
-                          else None, pack=pack, seed=1, prefetch=1,
+    config = RecipeConfig(batch_size=case.get("rows", 1) if pack else batch_size,
+                          token_budget=budget if pack else None, pack=pack, seed=1, prefetch=1,
                           learner=learner_config)  # fmt: skip
     training_run = f"{case['name']}-{uuid.uuid4().hex[:6]}".replace(" ", "-")
     history: list[dict[str, float]] = []
@@ -328,17 +329,23 @@ async def main(args: argparse.Namespace, store: EventStore, url: str, shape: dic
     liger, liger_ckpt = ({"logprobs": "liger", "checkpointing": False},
                          {"logprobs": "liger", "checkpointing": True})  # fmt: skip
     on_gpu = device.type == "cuda"  # Liger's kernels are Triton's: a GPU's
+    # Token-budget micro-batches: a third of a batch's activations alive at a time. Padded:
+    # rows grouped longest first up to 4,096 padded tokens; packed: rows of 5,120, two a step
+    # (about today's tokens a step), one row per forward pass.
+    micro = {"padded": chunked | {"micro": 4096, "tag": "micro 4096"},
+             "packed flex": chunked | {"row_tokens": args.budget // 2, "rows": 2,
+                                       "micro": args.budget // 2, "tag": "2 rows"}}  # fmt: skip
     variants = (full, chunked, ckpt, *((liger,) if on_gpu else ()))
-    for pack in (False, True):
+    for pack in (False, True) if "today" in args.cases else ():
+        layout = "packed flex" if pack else "padded"
         if pack and device.type == "cpu":
             recorder.add({"name": "today packed flex", "status": "skipped",
                           "why": "flex attention has no backward on the CPU"})  # fmt: skip
             continue
-        for variant in variants:
-            name = f"today {'packed flex' if pack else 'padded'} {variant['logprobs']}" + (
-                " +ckpt" if variant["checkpointing"] else ""
-            )
-            case = {"name": name, "model": "0.5B", **variant}
+        for variant in (*variants, micro[layout]):
+            if args.variants and _tag(variant) not in args.variants.split(","):
+                continue
+            case = {"name": f"today {layout} {_tag(variant)}", "model": "0.5B", **variant}
             if left() < 30:
                 recorder.add(case | {"status": "skipped", "why": "deadline"})
                 continue
@@ -348,7 +355,7 @@ async def main(args: argparse.Namespace, store: EventStore, url: str, shape: dic
                 longest=longest))  # fmt: skip
 
     head_tokens = int(12_288 * (scale if args.dry_run else 1))
-    for kind in ("full", "chunked", "liger"):
+    for kind in ("full", "chunked", "liger") if "head" in args.cases else ():
         case = {"name": f"head {kind}", "tokens": head_tokens}
         try:
             recorder.add(case | {"status": "ok"} | head_case(kind, head_tokens, shape, device))
@@ -360,7 +367,7 @@ async def main(args: argparse.Namespace, store: EventStore, url: str, shape: dic
             recorder.add(case | {"status": "error", "why": f"{type(exc).__name__}: {exc}"[:300]})
         free(device)
 
-    for n in long_lengths:
+    for n in long_lengths if "long" in args.cases else ():
         for variant in (full, ckpt, *((liger_ckpt,) if on_gpu else ())):
             case = {
                 "name": f"long {n} {variant['logprobs']}"
@@ -375,7 +382,7 @@ async def main(args: argparse.Namespace, store: EventStore, url: str, shape: dic
                 store, f"long-{n}", case, args, shape, pack=False, batch_size=1, budget=None,
                 steps=2, warmup=1, cap_s=30, longest=longest))  # fmt: skip
 
-    for model in ("1.5B", "0.5B"):
+    for model in ("1.5B", "0.5B") if "longest" in args.cases else ():
         model_shape = shape if model == "0.5B" or big is None else big
         for n in ladder[model]:
             case = {"name": f"longest {model} {n}", "model": model, "logprobs": "chunked",
@@ -395,12 +402,18 @@ async def main(args: argparse.Namespace, store: EventStore, url: str, shape: dic
         raise SystemExit(f"cases failed: {', '.join(failed)}")
 
 
+def _tag(variant: dict[str, Any]) -> str:
+    """A variant's name: its logprobs, checkpointing, micro-batching."""
+    ckpt = " +ckpt" if variant["checkpointing"] else ""
+    return f"{variant['logprobs']}{ckpt}" + (f" {variant['tag']}" if "tag" in variant else "")
+
+
 def summarise(cases: list[dict[str, Any]]) -> None:
     """The run's answers in a few lines (the JSON holds every figure)."""
     ok = {c["name"]: c for c in cases if c.get("status") == "ok"}
     for pack in ("padded", "packed flex"):
         before = ok.get(f"today {pack} full")
-        for after_name in (f"today {pack} chunked", f"today {pack} chunked +ckpt"):
+        for after_name in [n for n in ok if n.startswith(f"today {pack} ") and "full" not in n]:
             after = ok.get(after_name)
             if before and after:
                 print(f"{after_name}: {after['tokens_per_s'] / before['tokens_per_s']:.2f}x the "
