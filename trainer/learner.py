@@ -40,8 +40,13 @@ from tensordict import TensorDict
 from trajstore.trainer import attention, microbatch
 from trajstore.trainer.device import autocast, default_autocast, resolve_device, to_device
 from trajstore.trainer.errors import TrainerError
-from trajstore.trainer.logprobs import DEFAULT_CHUNK_TOKENS, needed_positions, row_logprobs
-from trajstore.trainer.loss import LossConfig, policy_loss, token_logprobs
+from trajstore.trainer.logprobs import (
+    DEFAULT_CHUNK_TOKENS,
+    needed_positions,
+    predict_positions,
+    row_logprobs,
+)
+from trajstore.trainer.loss import LossConfig, policy_loss_terms, token_logprobs
 from trajstore.trainer.vision import MULTI_MODAL_INPUTS, VisionProcessor, model_inputs
 
 #: How `Learner.logprobs` computes the logprobs (see the module docstring).
@@ -132,14 +137,28 @@ class Learner:
         """Cut the CPU batch into micro-batches and start their copies to the device."""
         packed = attention.is_packed(batch["segment_ids"])
         micro = [
-            microbatch.MicroBatch(to_device(m.tensors, self.device), m.trained_tokens, m.weight)
+            microbatch.MicroBatch(
+                to_device(m.tensors, self.device), m.trained_tokens, m.weight, self._predicts(m)
+            )
             for m in microbatch.split(
                 batch, self.config.micro_token_budget, self.config.pad_multiple
             )
         ]
         return Prepared(micro, packed, batch.get_non_tensor("samples"), batch)
 
-    def logprobs(self, tensors: TensorDict, packed: bool) -> torch.Tensor:
+    def _predicts(self, m: microbatch.MicroBatch) -> torch.Tensor | None:
+        """Where the output layer is needed (`predict_positions`), found on the CPU copy: on
+        the device, finding them would wait for it (`nonzero` reads its result's size)."""
+        if self.config.logprobs == "full":
+            return None
+        found = predict_positions(m.tensors["loss_mask"], m.tensors["position_ids"])
+        if self.device.type == "cpu":
+            return found
+        return found.pin_memory().to(self.device, non_blocking=True)
+
+    def logprobs(
+        self, tensors: TensorDict, packed: bool, predicts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The model's logprob of each token of the rows (`trainer.loss.token_logprobs`).
 
         A sample's first token has no context: 0, as alone (in a packed row the position before
@@ -163,6 +182,7 @@ class Learner:
             self.model.get_output_embeddings().weight,
             tensors["input_ids"],
             needed_positions(tensors["loss_mask"], tensors["position_ids"]),
+            predicts=predicts,
             chunk_tokens=self.config.logprob_chunk_tokens,
             # The dtype the output layer computes in under autocast, as the full path's lm_head.
             compute_dtype=torch.bfloat16 if self.autocast else None,
@@ -188,15 +208,15 @@ class Learner:
                 old = [self.logprobs(m.tensors, prepared.packed) for m in prepared.micro]
         for _ in range(self.config.updates_per_batch):
             self.optimiser.zero_grad(set_to_none=True)
-            totals: dict[str, float] = {}
+            totals: dict[str, torch.Tensor] = {}
             loss_sum = torch.zeros((), device=self.device)
             for m, old_logprobs in zip(prepared.micro, old, strict=True):
-                logprobs = self.logprobs(m.tensors, prepared.packed)
+                logprobs = self.logprobs(m.tensors, prepared.packed, m.predicts)
                 reference = logprobs.detach() if old_logprobs is None else old_logprobs
                 tensors = m.tensors
                 if not self.config.importance_weights:
                     tensors = _behaving_as(tensors, reference)
-                loss, metrics = policy_loss(
+                loss, metrics = policy_loss_terms(
                     logprobs, tensors, old_logprobs=reference, config=self.config.loss
                 )
                 (loss * m.weight).backward()  # type: ignore[no-untyped-call]
@@ -207,9 +227,10 @@ class Learner:
             )
             self.optimiser.step()
         rewards = [s["reward"] for s in prepared.samples]
-        return totals | {
-            "loss": float(loss_sum),
-            "grad_norm": float(grad_norm),
+        # The step's one wait for the device: every figure read at once.
+        names = [*totals, "loss", "grad_norm"]
+        values = torch.stack([*totals.values(), loss_sum, grad_norm.to(loss_sum)]).tolist()
+        return dict(zip(names, values, strict=True)) | {
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "micro_batches": float(len(prepared.micro)),
             "real_tokens": float(sum(s["n_tokens"] for s in prepared.samples)),
@@ -217,15 +238,20 @@ class Learner:
         }
 
 
-def _accumulate(totals: dict[str, float], metrics: dict[str, float], weight: float) -> None:
-    """Fold a micro-batch's loss metrics in: token-weighted means, a max, a count."""
+def _accumulate(
+    totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], weight: float
+) -> None:
+    """Fold a micro-batch's loss metrics in: token-weighted means, a max, a count (on the
+    device: nothing here waits for it)."""
     for key, value in metrics.items():
-        if key == "ratio_max":
-            totals[key] = max(totals.get(key, value), value)
+        if key not in totals:
+            totals[key] = value if key in ("ratio_max", "tokens") else value * weight
+        elif key == "ratio_max":
+            totals[key] = torch.maximum(totals[key], value)
         elif key == "tokens":
-            totals[key] = totals.get(key, 0.0) + value
+            totals[key] = totals[key] + value
         else:
-            totals[key] = totals.get(key, 0.0) + value * weight
+            totals[key] = totals[key] + value * weight
 
 
 def _behaving_as(tensors: TensorDict, reference: torch.Tensor) -> TensorDict:

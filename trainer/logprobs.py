@@ -152,12 +152,25 @@ def needed_positions(loss_mask: torch.Tensor, position_ids: torch.Tensor) -> tor
     return loss_mask & (position_ids > 0)
 
 
+def predict_positions(loss_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """`[2, n]` int64: (row, column) of each token whose logprob the loss uses and that has a
+    token before it in its row (`needed_positions`, minus column 0)."""
+    return _positions(needed_positions(loss_mask, position_ids))
+
+
+def _positions(needed: torch.Tensor) -> torch.Tensor:
+    predicts = needed.clone()
+    predicts[:, 0] = False  # nothing before the first column predicts it
+    return torch.stack(predicts.nonzero(as_tuple=True))
+
+
 def row_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     input_ids: torch.Tensor,
     needed: torch.Tensor,
     *,
+    predicts: torch.Tensor | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     compute_dtype: torch.dtype | None = None,
     kernel: str = "chunked",
@@ -167,11 +180,10 @@ def row_logprobs(
     `hidden` is the model's last hidden state, `[rows, length, hidden]`: the state at t - 1
     predicts token t, as `token_logprobs` lines them up. Only `needed` tokens go through the
     output layer, by `chunked_logprobs` (`kernel="chunked"`) or `liger_logprobs` ("liger").
+    `predicts`: their `[2, n]` positions when already known (`predict_positions` of `needed`).
     """
     rows, length = input_ids.shape
-    predicts = needed.clone()
-    predicts[:, 0] = False  # nothing before the first column predicts it
-    row, col = predicts.nonzero(as_tuple=True)
+    row, col = _positions(needed) if predicts is None else predicts
     states, targets = hidden[row, col - 1], input_ids[row, col]
     if kernel == "liger":
         picked = liger_logprobs(states, weight, targets, compute_dtype=compute_dtype)

@@ -152,6 +152,7 @@ LONG_STEP = textwrap.dedent(
 BOUND_MB = 512  # a quarter of ONE full-logits tensor of this step (2,048 MiB); measured 77-166
 
 
+@pytest.mark.slow
 def test_a_16k_token_sample_trains_on_the_cpu_within_a_memory_bound() -> None:
     tokens, vocab = 16_384, 32_768
     done = subprocess.run(
