@@ -101,6 +101,19 @@ def test_gradient_checkpointing_takes_the_same_step(model_dir: Path) -> None:
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_a_row_longer_than_the_micro_budget_goes_alone_and_whole(model_dir: Path) -> None:
+    batch = collate([[s] for s in samples([90, 20, 25, 12])])
+    learner = Learner.load(model_dir, LearnerConfig(device="cpu", micro_token_budget=50))
+    prepared = learner.prepare(batch)
+    widths = [(m.tensors.batch_size[0], m.tensors["input_ids"].shape[1]) for m in prepared.micro]
+    assert widths[0] == (1, 90)  # over the budget: alone, not cut
+    assert sum(rows for rows, _ in widths) == 4 and all(w <= 50 for _, w in widths[1:])
+    assert sum(m.trained_tokens for m in prepared.micro) == int(
+        (batch["loss_mask"] & torch.isfinite(batch["logprobs"])).sum()
+    )
+    assert learner.step(prepared)["micro_batches"] == len(prepared.micro)
+
+
 def test_an_unknown_logprobs_mode_is_named() -> None:
     with pytest.raises(TrainerError, match="unknown logprobs 'fast': use one of chunked, full"):
         LearnerConfig(logprobs="fast")
