@@ -3,6 +3,12 @@ peak memory, on a Qwen2.5-0.5B-shaped model (random weights built from its confi
 
     python benchmarks/gpu.py                 on a GPU: a few minutes
     python benchmarks/gpu.py --dry-run       the same script, a tiny model, on the CPU (CI)
+    python benchmarks/gpu.py --long          memory per token: today's shape before/after, 32 k
+                                             and 64 k-token samples, the longest that trains
+                                             for 0.5B and 1.5B (`benchmarks/gpu_long.py`)
+
+`--logprobs full` is the path before issue 40 (the model's float32 logits and a log_softmax),
+`chunked` the learner's default now (`trainer.logprobs`); `--gradient-checkpointing` as named.
 
 Writes synthetic samples (lengths 0.5x to 1.5x `--sample-tokens`, a quarter of each a prompt;
 `benchmarks/replay.py`'s rows) into a fresh database, then measures, in one run:
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import asyncpg
+import gpu_long  # benchmarks/gpu_long.py, next to this file
 import numpy as np
 import torch
 from ingest import Databases  # benchmarks/ingest.py, next to this file
@@ -120,6 +127,8 @@ async def run_case(
         device=args.device,
         attention=case.attention,
         micro_token_budget=args.micro_token_budget,
+        logprobs=args.logprobs,
+        gradient_checkpointing=args.gradient_checkpointing,
         # Packed rows padded to the full budget: one shape, one compilation of flex's kernel.
         pad_multiple=args.budget if case.pack else 64,
     )
@@ -157,9 +166,19 @@ async def main(args: argparse.Namespace) -> None:
     shape = TINY if args.dry_run else QWEN_05B
     device = resolve_device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    args.device_name = name
     databases = Databases(await asyncio.to_thread(database_url))
     await databases.setup()
     url = databases.url_of(databases.template)
+    if args.long:
+        print(f"device: {name}; long-context mode ({'tiny, dry run' if args.dry_run else 'real'})")
+        try:
+            async with await EventStore.open(url, max_size=4) as store:
+                big = None if args.dry_run else gpu_long.QWEN_15B
+                await gpu_long.main(args, store, url, shape, big)
+        finally:
+            await databases.drop_all()
+        return
     try:
         vocab = int(shape["vocab_size"])  # type: ignore[call-overload]
         total = await write_samples(url, args.tokens, args.sample_tokens, vocab)
@@ -202,10 +221,26 @@ if __name__ == "__main__":
     parser.add_argument("--micro-token-budget", type=int, help="padded tokens per forward pass")
     parser.add_argument("--steps", type=int, help="steps measured per case")
     parser.add_argument("--warmup", type=int, help="steps left out first")
+    parser.add_argument("--logprobs", default="chunked", help="chunked | full (before issue 40)")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--long", action="store_true", help="the long-context mode (gpu_long.py)")
+    parser.add_argument("--out", type=Path, help="--long: the results' JSON, rewritten per case")
+    parser.add_argument(
+        "--cases",
+        default="today,head,long,longest",
+        help="--long: which groups of cases run (gpu_long.py)",
+    )
+    parser.add_argument("--variants",
+                        help="--long: only these variants of today (full,chunked,...)")  # fmt: skip
+    parser.add_argument("--deadline", type=float, default=360.0,
+                        help="--long: seconds after which no case starts")  # fmt: skip
     args = parser.parse_args()
     dry = {"tokens": 30_000, "sample_tokens": 256, "budget": 1024, "steps": 6, "warmup": 2}
     full = {"tokens": 1_000_000, "sample_tokens": 1024, "budget": 10_240, "steps": 40,
             "warmup": 4}  # fmt: skip
+    if args.long:  # several cases more: fewer steps each (8 x ~11 k tokens measured)
+        dry |= {"steps": 3, "warmup": 1}
+        full |= {"steps": 8, "warmup": 3}
     for key, value in (dry if args.dry_run else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

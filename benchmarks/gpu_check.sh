@@ -6,6 +6,10 @@
 #   bash benchmarks/gpu_check.sh fetch   here, with network: their cp312 wheels into .gpu-wheels/
 #   bash benchmarks/gpu_check.sh run     there, from the repository's root: install them, run
 #                                        benchmarks/gpu.py on the GPU (a few minutes)
+#   bash benchmarks/gpu_check.sh run --long --out results.json
+#                                        the long-context mode (benchmarks/gpu_long.py, ~6 min):
+#                                        before/after memory per token, 32 k/64 k samples, the
+#                                        longest sample for 0.5B and 1.5B, Liger-Kernel's path
 #
 # .gpu-wheels/ is not committed (ignore it in .git/info/exclude and carry it to the machine).
 set -euo pipefail
@@ -15,6 +19,7 @@ PACKAGES=(
     asyncpg sqlalchemy greenlet alembic mako markupsafe pydantic pydantic-core pydantic-settings
     python-dotenv typing-inspection annotated-types orjson platformdirs pgserver fasteners
     "tensordict==0.15.3" pyvers click rich markdown-it-py mdurl pygments
+    "liger-kernel==0.8.5"  # pure Python over Triton (the machine has torch and triton)
 )
 case "${1:-}" in
 fetch)
@@ -27,7 +32,7 @@ fetch)
 run)
     python3 -m pip install --quiet --no-deps --no-index "$WHEELS"/*.whl
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-    PYTHONPATH=. python3 benchmarks/gpu.py "${@:2}"
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/gpu.py "${@:2}"
     ;;
 *)
     echo "usage: $0 fetch | run [gpu.py options]" >&2

@@ -107,11 +107,18 @@ class Layout:
         if not self.pack and self.batch_size is None and self.token_budget is None:
             raise BadSelection("give batch_size or token_budget (or both)")
 
-    def plan(self, lengths: Sequence[int], names: Sequence[object]) -> list[list[list[int]]]:
-        """Batches of rows of sample indices, in the given order; `names` name samples in errors."""
+    def plan(
+        self, lengths: Sequence[int], names: Sequence[object], *, long_alone: bool = False
+    ) -> list[list[list[int]]]:
+        """Batches of rows of sample indices, in the given order; `names` name samples in errors.
+
+        A sample longer than `token_budget` is refused, unless `long_alone`: then it gets a row
+        (packing) or a batch (padding) of its own, whole, never cut (the replay's samples are
+        already bounded by `max_sample_tokens`).
+        """
         budget = self.token_budget
         for index, length in enumerate(lengths):
-            if budget is not None and length > budget:
+            if budget is not None and length > budget and not long_alone:
                 raise BadSelection(
                     f"sample {names[index]} has {length} tokens, more than token_budget={budget}; "
                     "raise the budget or select shorter samples"

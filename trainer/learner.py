@@ -8,6 +8,19 @@
 Weights and AdamW state stay float32 on the device (bf16 autocast on a GPU computes the passes;
 `trainer.device`). Packed rows get per-sample attention (`trainer.attention`).
 
+Memory per token (what lets a 64 k-token sample train on one GPU):
+
+    logprobs="chunked"       the model's last hidden states through the output layer in chunks,
+                             only at the tokens the loss trains on, the logits recomputed in the
+                             backward (`trainer.logprobs`): no [tokens, vocab] tensor. "liger":
+                             the same by Liger-Kernel's fused kernels (a GPU, the package).
+                             "full": the model's logits and a log_softmax (the reference).
+    gradient_checkpointing   each decoder layer's activations recomputed in the backward instead
+                             of kept: a layer's input per token instead of all its intermediates
+                             (Hugging Face's non-reentrant checkpointing; ~1/3 more compute).
+    micro_token_budget       rows per forward pass by padded tokens (`trainer.microbatch`); a
+                             row longer than the budget goes alone, never cut.
+
 pi_old: with one update per batch, pi_old is the policy being trained at the moment of the
 update, so its logprobs are the current ones, detached (ratio exactly 1): no second forward
 pass is needed. With several updates per batch (PPO epochs), pi_old is computed once, without
@@ -27,8 +40,17 @@ from tensordict import TensorDict
 from trajstore.trainer import attention, microbatch
 from trajstore.trainer.device import autocast, default_autocast, resolve_device, to_device
 from trajstore.trainer.errors import TrainerError
-from trajstore.trainer.loss import LossConfig, policy_loss, token_logprobs
+from trajstore.trainer.logprobs import (
+    DEFAULT_CHUNK_TOKENS,
+    needed_positions,
+    predict_positions,
+    row_logprobs,
+)
+from trajstore.trainer.loss import LossConfig, policy_loss_terms, token_logprobs
 from trajstore.trainer.vision import MULTI_MODAL_INPUTS, VisionProcessor, model_inputs
+
+#: How `Learner.logprobs` computes the logprobs (see the module docstring).
+LOGPROBS = ("chunked", "full", "liger")
 
 
 @dataclass(frozen=True)
@@ -39,6 +61,9 @@ class LearnerConfig:
     autocast: bool | None = None  #: bf16 autocast; None: on for a GPU, off on the CPU
     attention: str = "sdpa"  #: sdpa | flex: how packed rows attend per sample
     micro_token_budget: int | None = None  #: padded tokens per forward pass (None: whole batch)
+    logprobs: str = "chunked"  #: chunked | full | liger (a GPU): the output layer's logprobs
+    logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS  #: tokens per chunk of the output layer
+    gradient_checkpointing: bool = False  #: recompute each layer's activations in the backward
     pad_multiple: int = 1  #: rows cut to a multiple of this (fewer shapes for a GPU's kernels)
     lr: float = 3e-3  #: AdamW learning rate
     max_grad_norm: float = 1.0
@@ -47,6 +72,16 @@ class LearnerConfig:
     #: (what "TIS off" means in `benchmarks/learning.py`)
     importance_weights: bool = True
     loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        if self.logprobs not in LOGPROBS:
+            raise TrainerError(
+                f"unknown logprobs {self.logprobs!r}: use one of {', '.join(LOGPROBS)}"
+            )
+        if self.logprob_chunk_tokens < 1:
+            raise TrainerError(
+                f"logprob_chunk_tokens must be >= 1, not {self.logprob_chunk_tokens}"
+            )
 
 
 @dataclass(frozen=True)
@@ -70,6 +105,11 @@ class Learner:
         )
         self.model = model.to(device=self.device, dtype=torch.float32)  # master weights
         self.model.train()
+        if self.config.gradient_checkpointing:
+            # Non-reentrant: works with inputs that need no grad and with autocast.
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         self.optimiser = torch.optim.AdamW(
             self.model.parameters(),
             lr=self.config.lr,
@@ -97,27 +137,57 @@ class Learner:
         """Cut the CPU batch into micro-batches and start their copies to the device."""
         packed = attention.is_packed(batch["segment_ids"])
         micro = [
-            microbatch.MicroBatch(to_device(m.tensors, self.device), m.trained_tokens, m.weight)
+            microbatch.MicroBatch(
+                to_device(m.tensors, self.device), m.trained_tokens, m.weight, self._predicts(m)
+            )
             for m in microbatch.split(
                 batch, self.config.micro_token_budget, self.config.pad_multiple
             )
         ]
         return Prepared(micro, packed, batch.get_non_tensor("samples"), batch)
 
-    def logprobs(self, tensors: TensorDict, packed: bool) -> torch.Tensor:
+    def _predicts(self, m: microbatch.MicroBatch) -> torch.Tensor | None:
+        """Where the output layer is needed (`predict_positions`), found on the CPU copy: on
+        the device, finding them would wait for it (`nonzero` reads its result's size)."""
+        if self.config.logprobs == "full":
+            return None
+        found = predict_positions(m.tensors["loss_mask"], m.tensors["position_ids"])
+        if self.device.type == "cpu":
+            return found
+        return found.pin_memory().to(self.device, non_blocking=True)
+
+    def logprobs(
+        self, tensors: TensorDict, packed: bool, predicts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The model's logprob of each token of the rows (`trainer.loss.token_logprobs`).
 
         A sample's first token has no context: 0, as alone (in a packed row the position before
-        it is the previous sample's last token, whose prediction is meaningless here).
+        it is the previous sample's last token, whose prediction is meaningless here). With
+        `logprobs="chunked"`, only the tokens the loss trains on are computed; the others are 0.
         """
         inputs = attention.model_inputs(tensors, self.config.attention, packed)
         images = tensors.get_non_tensor(MULTI_MODAL_INPUTS, default=None)
         if images and any(images):  # a VLM's rows with images: their pixels (`trainer.vision`)
             inputs |= {k: v.to(self.device) for k, v in model_inputs(images).items()}
+        if self.config.logprobs == "full":
+            with autocast(self.device, self.autocast):
+                logits = self.model(**inputs).logits
+            logprobs = token_logprobs(logits, tensors["input_ids"])
+            return logprobs.masked_fill(tensors["position_ids"] == 0, 0.0)
         with autocast(self.device, self.autocast):
-            logits = self.model(**inputs).logits
-        logprobs = token_logprobs(logits, tensors["input_ids"])
-        return logprobs.masked_fill(tensors["position_ids"] == 0, 0.0)
+            # The decoder alone: its last hidden states, not the logits (`trainer.logprobs`).
+            hidden = self.model.base_model(**inputs, use_cache=False).last_hidden_state
+        return row_logprobs(
+            hidden,
+            self.model.get_output_embeddings().weight,
+            tensors["input_ids"],
+            needed_positions(tensors["loss_mask"], tensors["position_ids"]),
+            predicts=predicts,
+            chunk_tokens=self.config.logprob_chunk_tokens,
+            # The dtype the output layer computes in under autocast, as the full path's lm_head.
+            compute_dtype=torch.bfloat16 if self.autocast else None,
+            kernel=self.config.logprobs,
+        )
 
     def step(self, prepared: Prepared) -> dict[str, float]:
         """One optimiser step (or `updates_per_batch`) on the batch; its metrics.
@@ -138,15 +208,15 @@ class Learner:
                 old = [self.logprobs(m.tensors, prepared.packed) for m in prepared.micro]
         for _ in range(self.config.updates_per_batch):
             self.optimiser.zero_grad(set_to_none=True)
-            totals: dict[str, float] = {}
+            totals: dict[str, torch.Tensor] = {}
             loss_sum = torch.zeros((), device=self.device)
             for m, old_logprobs in zip(prepared.micro, old, strict=True):
-                logprobs = self.logprobs(m.tensors, prepared.packed)
+                logprobs = self.logprobs(m.tensors, prepared.packed, m.predicts)
                 reference = logprobs.detach() if old_logprobs is None else old_logprobs
                 tensors = m.tensors
                 if not self.config.importance_weights:
                     tensors = _behaving_as(tensors, reference)
-                loss, metrics = policy_loss(
+                loss, metrics = policy_loss_terms(
                     logprobs, tensors, old_logprobs=reference, config=self.config.loss
                 )
                 (loss * m.weight).backward()  # type: ignore[no-untyped-call]
@@ -157,9 +227,10 @@ class Learner:
             )
             self.optimiser.step()
         rewards = [s["reward"] for s in prepared.samples]
-        return totals | {
-            "loss": float(loss_sum),
-            "grad_norm": float(grad_norm),
+        # The step's one wait for the device: every figure read at once.
+        names = [*totals, "loss", "grad_norm"]
+        values = torch.stack([*totals.values(), loss_sum, grad_norm.to(loss_sum)]).tolist()
+        return dict(zip(names, values, strict=True)) | {
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "micro_batches": float(len(prepared.micro)),
             "real_tokens": float(sum(s["n_tokens"] for s in prepared.samples)),
@@ -167,15 +238,20 @@ class Learner:
         }
 
 
-def _accumulate(totals: dict[str, float], metrics: dict[str, float], weight: float) -> None:
-    """Fold a micro-batch's loss metrics in: token-weighted means, a max, a count."""
+def _accumulate(
+    totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], weight: float
+) -> None:
+    """Fold a micro-batch's loss metrics in: token-weighted means, a max, a count (on the
+    device: nothing here waits for it)."""
     for key, value in metrics.items():
-        if key == "ratio_max":
-            totals[key] = max(totals.get(key, value), value)
+        if key not in totals:
+            totals[key] = value if key in ("ratio_max", "tokens") else value * weight
+        elif key == "ratio_max":
+            totals[key] = torch.maximum(totals[key], value)
         elif key == "tokens":
-            totals[key] = totals.get(key, 0.0) + value
+            totals[key] = totals[key] + value
         else:
-            totals[key] = totals.get(key, 0.0) + value * weight
+            totals[key] = totals[key] + value * weight
 
 
 def _behaving_as(tensors: TensorDict, reference: torch.Tensor) -> TensorDict:

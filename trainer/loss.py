@@ -71,6 +71,22 @@ def policy_loss(
     `tis_truncated_fraction` (tokens whose weight hit the cap), `tis_weight_mean`,
     `missing_behaviour_fraction`, `tokens` (how many were trained on).
     """
+    loss, metrics = policy_loss_terms(logprobs, batch, old_logprobs=old_logprobs, config=config)
+    return loss, {key: float(value) for key, value in metrics.items()}
+
+
+def policy_loss_terms(
+    logprobs: torch.Tensor,
+    batch: TensorDict,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    config: LossConfig | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`policy_loss` with its metrics left as 0-d tensors on the batch's device.
+
+    Reading a GPU tensor's value waits for the GPU: the learner reads a step's metrics once,
+    after all its micro-batches, so that the host queues the next pass while the GPU computes.
+    """
     config = config or LossConfig()
     behaviour = batch["logprobs"]
     advantages = batch["advantages"]
@@ -91,23 +107,24 @@ def policy_loss(
         m = mask.float()
         log_r = (logprobs - behaviour).detach()  # log pi_theta / pi_behaviour
         k3 = torch.exp(log_r) - 1 - log_r
-        trained = int(mask.sum())
         chose_clip = (clipped * advantages < ratio * advantages) & mask
         truncated = (
             (raw_weight > config.tis_cap) & mask
             if config.tis_cap is not None
             else torch.zeros_like(mask)
         )
+        # The largest ratio among trained tokens, 1 when there are none (no boolean indexing:
+        # its result's size would have to be read from the device).
+        highest = torch.where(mask, ratio.detach(), torch.full_like(ratio, -torch.inf)).amax()
         metrics = {
-            "ratio_mean": float((ratio.detach() * m).sum() / n_tokens),
-            "ratio_max": float(ratio.detach()[mask].max()) if trained else 1.0,
-            "clip_fraction": float(chose_clip.sum() / n_tokens),
-            "kl_k3": float((k3 * m).sum() / n_tokens),
-            "tis_truncated_fraction": float(truncated.sum() / n_tokens),
-            "tis_weight_mean": float((weight * m).sum() / n_tokens),
-            "missing_behaviour_fraction": float(
-                (batch["loss_mask"] & ~known).sum() / batch["loss_mask"].sum().clamp(min=1)
-            ),
-            "tokens": float(trained),
+            "ratio_mean": (ratio.detach() * m).sum() / n_tokens,
+            "ratio_max": torch.where(mask.any(), highest, torch.ones_like(highest)),
+            "clip_fraction": chose_clip.sum() / n_tokens,
+            "kl_k3": (k3 * m).sum() / n_tokens,
+            "tis_truncated_fraction": truncated.sum() / n_tokens,
+            "tis_weight_mean": (weight * m).sum() / n_tokens,
+            "missing_behaviour_fraction": (batch["loss_mask"] & ~known).sum()
+            / batch["loss_mask"].sum().clamp(min=1),
+            "tokens": mask.sum().float(),
         }
     return loss, metrics

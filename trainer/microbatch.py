@@ -31,6 +31,9 @@ class MicroBatch:
     tensors: TensorDict
     trained_tokens: int  #: loss_mask true and a finite behaviour logprob
     weight: float  #: trained_tokens / the batch's trained tokens (0 when the batch has none)
+    #: `[2, n]` (row, column) of the tokens whose logprob the loss needs, when the learner
+    #: computes only those (`trainer.logprobs.predict_positions`); None: found when needed
+    predicts: torch.Tensor | None = None
 
 
 def trained_tokens(batch: TensorDict) -> torch.Tensor:

@@ -56,6 +56,9 @@ class RecipeConfig:
     seed: int = 0  #: the replay's shuffle seed (each pass over the run adds its number)
     prefetch: int = 1  #: batches read and copied ahead of the step (0: serial)
     checkpoint_every: int = 0  #: save a checkpoint every N steps (0: never; the end always)
+    #: samples longer than this are skipped (whole, never cut), each named with its reason in
+    #: the ledger event of the step that trains the pass's first batch; None: no limit
+    max_sample_tokens: int | None = None
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 
     def layout(self) -> Layout:
@@ -84,7 +87,7 @@ async def _epochs(
         batches = 0
         passed = replay(
             store, selection, batch_size=layout.batch_size, token_budget=layout.token_budget,
-            pack=layout.pack, seed=config.seed + epoch,
+            pack=layout.pack, seed=config.seed + epoch, max_sample_tokens=config.max_sample_tokens,
         )  # fmt: skip
         if vision is not None:
             passed = with_vision(passed, store, vision)
@@ -161,6 +164,9 @@ async def train_steps(
             # The step runs in a thread: the event loop meanwhile reads the next batch.
             metrics = await asyncio.to_thread(learner.step, prepared)
             metrics |= {"step": float(step), "wait_seconds": waits.seconds[-1]}
+            # Samples the replay left out for their length: counted here, named in the event.
+            skipped = batch.get_non_tensor("skipped", default=None) or []
+            metrics["skipped_samples"] = float(len(skipped))
             if step <= recorded:
                 # Recorded before a kill lost its update: the same batch, trained again.
                 await _check_same_batch(store, training_run, step, batch)
@@ -169,7 +175,7 @@ async def train_steps(
                     store, training_run, step, batch,
                     layout=layout, metrics=metrics, model_version=step - 1,
                     replay={"selection": selection.as_json(), "seed": config.seed + epoch,
-                            "epoch": epoch, "batch": number},
+                            "epoch": epoch, "batch": number, "skipped": skipped},
                 )  # fmt: skip
             state = replace(state, step=step, epoch=epoch, batches_in_epoch=number)
             history.append(metrics)
@@ -215,6 +221,9 @@ def main() -> None:
     parser.add_argument("--pack", action="store_true")
     parser.add_argument("--attention", default="sdpa", help="sdpa | flex (packed rows)")
     parser.add_argument("--micro-token-budget", type=int)
+    parser.add_argument("--logprobs", default="chunked", help="chunked | full (the logits)")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--max-sample-tokens", type=int, help="skip (and record) longer samples")
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--checkpoint-dir", type=Path)
     parser.add_argument("--checkpoint-every", type=int, default=0)
@@ -227,8 +236,10 @@ def main() -> None:
     config = RecipeConfig(
         batch_size=args.batch_size, token_budget=args.token_budget, pack=args.pack,
         prefetch=args.prefetch, checkpoint_every=args.checkpoint_every,
+        max_sample_tokens=args.max_sample_tokens,
         learner=LearnerConfig(device=args.device, attention=args.attention,
-                              micro_token_budget=args.micro_token_budget),
+                              micro_token_budget=args.micro_token_budget, logprobs=args.logprobs,
+                              gradient_checkpointing=args.gradient_checkpointing),
     )  # fmt: skip
 
     def show(m: dict[str, float]) -> None:

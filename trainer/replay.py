@@ -126,6 +126,20 @@ def check_rewards(entries: Sequence[IndexEntry]) -> None:
         )
 
 
+def skipped_entry(entry: IndexEntry, max_sample_tokens: int) -> dict[str, Any]:
+    """The record of a sample the replay left out for its length (what the ledger keeps)."""
+    log.warning(
+        "skipping sample %s of session %s: %d tokens, more than max_sample_tokens=%d",
+        entry.sample_id, entry.session_id, entry.n_tokens, max_sample_tokens,
+    )  # fmt: skip
+    return {
+        "sample_id": str(entry.sample_id),
+        "session_id": entry.session_id,
+        "n_tokens": entry.n_tokens,
+        "reason": f"{entry.n_tokens} tokens, more than max_sample_tokens={max_sample_tokens}",
+    }
+
+
 def _sample(
     entry: IndexEntry, arrays: Arrays, advantage: float, selection: Selection
 ) -> ReplaySample:
@@ -152,12 +166,18 @@ async def replay(
     pack: bool = False,
     seed: int = 0,
     shuffle: bool = True,
+    max_sample_tokens: int | None = None,
 ) -> AsyncIterator[TensorDict]:
     """The selected samples as `TensorDict` batches (layout: `trainer.collate`), in seeded order.
 
     `source` is a database URL or an open `EventStore`. Batches hold `batch_size` samples, or as
     many as fit `token_budget` padded tokens; with `pack=True`, rows of up to `token_budget`
     tokens holding several samples (`batch_size` rows per batch). One pass over the selection.
+
+    `max_sample_tokens`: samples longer than this are skipped, whole, never truncated; the
+    pass's first batch names them in its non-tensor `skipped` entry (`skipped_entry`) so the
+    step that trains it records them. With it, a sample longer than `token_budget` (but within
+    the limit) gets a row, or a padded batch, of its own.
     """
     selection = selection or Selection()
     layout = Layout(batch_size, token_budget, pack)
@@ -168,7 +188,22 @@ async def replay(
         version, entries = index
         advantage_of = advantages_by_sample(entries)
         ordered = shuffled(entries, seed=seed, shuffle=shuffle)
-        plan = layout.plan([e.n_tokens for e in ordered], [e.sample_id for e in ordered])
+        skipped = []
+        if max_sample_tokens is not None:
+            skipped = [skipped_entry(e, max_sample_tokens) for e in ordered
+                       if e.n_tokens > max_sample_tokens]  # fmt: skip
+            ordered = [e for e in ordered if e.n_tokens <= max_sample_tokens]
+            if not ordered:
+                raise BadSelection(
+                    f"all {len(skipped)} selected samples are longer than max_sample_tokens="
+                    f"{max_sample_tokens} (the longest has "
+                    f"{max(s['n_tokens'] for s in skipped)} tokens): raise the limit"
+                )
+        plan = layout.plan(
+            [e.n_tokens for e in ordered],
+            [e.sample_id for e in ordered],
+            long_alone=max_sample_tokens is not None,
+        )
 
         async def fetch(chunk: list[list[list[int]]]) -> dict[uuid.UUID, Arrays]:
             ids = [ordered[i].sample_id for rows in chunk for row in rows for i in row]
@@ -183,7 +218,7 @@ async def replay(
                 if k + 1 < len(chunks):
                     pending = asyncio.ensure_future(fetch(chunks[k + 1]))
                 for batch_rows in chunk:
-                    yield collate(
+                    batch = collate(
                         [
                             [
                                 _sample(
@@ -194,6 +229,10 @@ async def replay(
                             for row in batch_rows
                         ]
                     )
+                    if skipped:  # told once, with the pass's first batch
+                        batch.set_non_tensor("skipped", skipped)
+                        skipped = []
+                    yield batch
         finally:
             pending.cancel()
 
