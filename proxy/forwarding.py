@@ -161,7 +161,7 @@ class Forwarder:
             ),
             on_ended=None if self.tracer is None else self.tracer.call(
                 api=api, session=session, engine=engine.url,
-                policy_version=engine.policy_version, body=body, replica=self.replica_id,
+                policy_version=engine.policy_version, body=body,
             ),
         )  # fmt: skip
         try:

@@ -2,7 +2,8 @@
 
 Each decodes the wire format with the OpenTelemetry protocol package
 (`ExportTraceServiceRequest`), as a collector does, and keeps every span it got, flattened
-with its resource's attributes.
+with its resource's attributes. `benchmarks/proxy_overhead.py --tracing` uses the HTTP one as
+its collector.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from typing import Any
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
-
-from tests.conftest import free_port
 
 
 def value_of(value: AnyValue) -> Any:
@@ -122,7 +121,7 @@ def http_receiver() -> Iterator[tuple[str, Received]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
