@@ -10,11 +10,12 @@ One span per model call, named and attributed after OpenTelemetry's GenAI semant
 `gen_ai.usage.input_tokens` / `output_tokens`, `gen_ai.response.finish_reasons`,
 `gen_ai.conversation.id`), its duration the call's latency, plus trajstore's own: the session,
 run, task, group, lineage, policy version, request id, time to first token (also as the span
-event `gen_ai.first_token`), and `trajstore.viewer.url`, the viewer's page of the turn. The lineage is an edge:
-`trajstore.lineage.extends` names the turn whose tokens this prompt extends, and the span links
-to that turn's span (a call's span id is a digest of its request id); a call without it starts
-a lineage (the projection numbers lineages later, from the whole log). Token counts are the
-recorded ones (the prompt and completion ids in the log), so a span says what the log says.
+event `gen_ai.first_token`), and `trajstore.viewer.url`, the viewer's page of the turn. The
+lineage is an edge: `trajstore.lineage.extends` names the turn whose tokens this prompt extends,
+and the span links to that turn's span (a call's span id is a digest of its request id); a call
+without it starts a lineage (the projection numbers lineages later, from the whole log). Token
+counts are the recorded ones (the prompt and completion ids in the log), so a span says what the
+log says.
 Prompt and completion text go into a span only with `TRAJSTORE_TRACING_CONTENT=true` (as
 `gen_ai.input.messages` and `gen_ai.output.messages`): agents' prompts hold code, keys and
 user data.
