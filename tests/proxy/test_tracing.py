@@ -54,7 +54,6 @@ async def _converse(
     for n, proxy in enumerate(proxies):
         async with _agent(proxy, session) as agent:
             content = await _call(agent, messages, n, stream=n == stream_at)
-        assert content
         if n < len(proxies) - 1:
             messages = [*messages, {"role": "assistant", "content": content},
                         {"role": "user", "content": f"And then {n}?"}]  # fmt: skip
@@ -245,3 +244,29 @@ def test_an_unknown_protocol_stops_the_proxy_with_what_to_set(
     with pytest.raises(TracingUnavailable, match="'http/protobuf' or 'grpc'"):
         start_tracing(ProxySettings(tracing="otlp"))
     assert start_tracing(ProxySettings()) is None  # off by default
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_a_real_vllm_sessions_spans_hold_what_the_log_recorded(
+    start_proxy: ProxyFactory, vllm: str, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with http_receiver() as (endpoint, received):
+        _collector(monkeypatch, endpoint, "http/protobuf")
+        proxy = await start_proxy([vllm], tracing="otlp")
+        session = await proxy.new_session(run_id="run-vllm")
+        await _converse([proxy, proxy, proxy], session)
+        assert (await proxy.finish(session["session_id"])).status_code == 200
+        spans = received.wait_for(4)
+
+    record = await _recorded(database_url, session["session_id"])
+    calls = _by_request(spans)
+    assert set(calls) == {t.request_id for t in record.turns}
+    for turn in record.turns:
+        attributes = calls[turn.request_id].attributes
+        assert attributes["gen_ai.response.model"] == "tiny"  # vLLM's served name
+        assert attributes["gen_ai.usage.input_tokens"] == turn.n_prompt_tokens
+        assert attributes["gen_ai.usage.output_tokens"] == len(turn.choices[0].token_ids)
+        if turn.usage:  # the engine's own count, where it gave one
+            assert attributes["gen_ai.usage.output_tokens"] == turn.usage["completion_tokens"]
+        assert attributes["gen_ai.response.finish_reasons"] == [turn.choices[0].finish_reason]
