@@ -123,12 +123,7 @@ def print_apis(rows: dict[tuple[str, str, int], Row], levels: list[int]) -> None
             print(f"  {api:<9} {mode:<10} " + "   ".join(parts))
 
 
-def print_tracing(
-    rows: dict[tuple[str, str, int], Row],
-    samples: dict[tuple[str, str, int], list[Sample]],
-    levels: list[int],
-    spans: int,
-) -> None:
+def print_tracing(rows: dict[tuple[str, str, int], Row], levels: list[int]) -> None:
     print("\ntracing on: CPU/request ÷ tracing off's (same run, target ≤ 1.05×):")
     for name in ("trajstore-traced", "trajstore-traced-down"):
         for mode in ("non-stream", "stream"):
@@ -142,8 +137,6 @@ def print_tracing(
                     f", p50 {on.p50 - off.p50:+.2f} ms)"
                 )
             print(f"  {name:<22} {mode:<10} " + "   ".join(parts))
-    sent = sum(s.requests for k, v in samples.items() if k[0] == "trajstore-traced" for s in v)
-    print(f"  the collector received {spans} spans for {sent} requests through trajstore-traced")
 
 
 def print_throughput(rows: dict[tuple[str, str, int], Row], levels: list[int]) -> None:

@@ -48,6 +48,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import asyncpg
@@ -135,6 +136,23 @@ async def soak(http: aiohttp.ClientSession, targets: list[Target], db: DbBackend
         + "".join(f"\n  {count} x {kind}" for kind, count in tally.errors.items())
     )
     return await reconcile(targets, db, f"after the soak of {n}") and errors == 0
+
+
+async def collected(db: DbBackends, received: Any, sessions: int) -> bool:
+    """Every call through trajstore-traced, and each of its finished sessions, reached the
+    collector as a span (waiting up to 15 s for the exporter's last batches)."""
+    calls = await db.conn.fetchval(
+        "SELECT count(*) FROM events WHERE event_type = 'request_received' "
+        "AND session_id LIKE 'trajstore-traced-%' AND session_id NOT LIKE 'trajstore-traced-down%'"
+    )
+    expected = calls + sessions
+    deadline = time.monotonic() + 15
+    while len(received.spans) < expected and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.1)
+    got = len(received.spans)
+    verdict = "ok" if got == expected else "MISMATCH"
+    print(f"tracing: {got} spans received for {calls} calls and {sessions} sessions: {verdict}")
+    return got == expected
 
 
 async def main(plan: Plan) -> int:
@@ -244,10 +262,12 @@ async def main(plan: Plan) -> int:
         if plan.apis:
             print_apis(rows, plan.levels)
         if plan.tracing:
-            print_tracing(rows, samples, plan.levels, len(spans[1].spans))
+            print_tracing(rows, plan.levels)
         print()
         await finish_sessions(http, routes)
         ok = await reconcile(targets, db, "load runs")
+        if plan.tracing:
+            ok = await collected(db, spans[1], max(plan.levels)) and ok
         if plan.soak:
             ok = await soak(http, targets, db, plan.soak) and ok
         return 0 if ok else 1

