@@ -3,6 +3,7 @@ against what the log recorded; and a collector that is down costs the agents not
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -235,6 +236,32 @@ async def test_a_failed_call_is_an_error_span(
     assert span.status_code == STATUS_ERROR
     assert span.attributes["error.type"] == "engine_error"
     assert span.attributes["gen_ai.request.model"] == "error-400"
+
+
+async def test_a_call_refused_by_admission_is_an_error_span_too(
+    start_proxy: ProxyFactory, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine.delay = 1.0
+    with http_receiver() as (endpoint, received):
+        _collector(monkeypatch, endpoint, "http/protobuf")
+        proxy = await start_proxy([engine.url], tracing="otlp")
+        limit = {"max_in_flight": 1, "max_queued": 0}
+        session = await proxy.new_session(run_id="run-full", rate_limit=limit)
+        url = f"{session['base_url']}/chat/completions"
+        headers = {"Authorization": f"Bearer {session['api_key']}"}
+        body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "m"}]}
+        slow = asyncio.create_task(
+            proxy.http.post(url, json=body, headers={**headers, "X-Fake-Fault": "slow"})
+        )
+        while proxy.app.state.proxy.admission.describe("run-full")["in_flight"] < 1:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        refused = await proxy.http.post(url, json=body, headers=headers)
+        assert refused.status_code == 429
+        assert (await slow).status_code == 200
+        spans = received.wait_for(2)
+    (span,) = [s for s in spans if s.status_code == STATUS_ERROR]
+    assert span.attributes["error.type"] == "rate_limited"
+    assert span.attributes["trajstore.run.id"] == "run-full"
 
 
 def test_an_unknown_protocol_stops_the_proxy_with_what_to_set(
