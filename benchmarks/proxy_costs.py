@@ -1,13 +1,15 @@
 """Where the proxy's CPU goes: each stage of a model call, timed alone, in this process.
 
-    python benchmarks/proxy_costs.py [--repeat 7]
+    python benchmarks/proxy_costs.py [--repeat 7] [--tracing]
 
 benchmarks/proxy_overhead.py measures the whole proxy against the floor; this splits the proxy's
 own work into its stages, each run on the benchmark's own request (the two-message chat of
 max_tokens 64) and on the fake engine's own answers to it (whole, and the 64-token stream of 67
 server-sent events), through the proxy's real functions: routing and the key check, the body's
 parse, the request's event, the engine's body, the answer's parse and record, the agent's answer,
-the metrics, the writer's queue. The writer's COPY and PostgreSQL are not here (overhead's db/req
+the metrics, the writer's queue; with `--tracing`, the call's OpenTelemetry span (`proxy.tracing`:
+built and queued on the request path, then encoded for OTLP by the exporter's thread). The
+writer's COPY and PostgreSQL are not here (overhead's db/req
 column), nor the server, the engine client and the event loop (overhead's `--floors`: the
 pass-through on the proxy's own server). Each figure is the least thread CPU time per call over
 `--repeat` rounds: the machine's other load cannot add to it.
@@ -70,6 +72,52 @@ def drive(coroutine: Coroutine[Any, Any, Any]) -> None:
 
 def recorder() -> RequestRecorder:
     return RequestRecorder(_Queue(), session_id="s-1", run_id="r", request_id="q" * 32)  # type: ignore[arg-type]
+
+
+def tracing_stages(repeat: int) -> list[tuple[str, str, float]]:
+    """(part, stage, µs) of one call's span: built and queued, then encoded (in a batch of 512,
+    as the exporter's thread does; sending a batch is one HTTP request for 512 spans)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from trajstore.proxy.sessions import Session
+    from trajstore.proxy.tracing import TurnTracer
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "trajstore-proxy"}))
+    # A queue nothing empties while timing: `on_end` costs what it costs when the exporter
+    # keeps up (a full queue drops spans, which is cheaper).
+    processor = BatchSpanProcessor(
+        InMemorySpanExporter(), max_queue_size=10**7, max_export_batch_size=10**7,
+        schedule_delay_millis=10**9,
+    )  # fmt: skip
+    provider.add_span_processor(processor)
+    tracer = TurnTracer(provider, processor, viewer_url="http://127.0.0.1:8500")
+    session = Session(session_id="s-1", run_id="r", task_id="task-1", group_id="g-1")
+    body = orjson.loads(request_body(False))
+    rec = recorder()
+    rec.prompt_recorded = False
+    whole = orjson.loads(FakeEngine(instant=True)._render("chat", engine_body("chat", body)))
+    rec.record(extract("chat", whole))
+    drive(rec.finished(None))
+    payload = {"choices": [{"finish_reason": "length"}], "latency_s": 0.01, "ttft_s": 0.002}
+
+    def span() -> None:
+        ended = tracer.call(api="chat", session=session, engine="http://e", policy_version="0",
+                            body=body)  # fmt: skip
+        assert ended is not None
+        ended(rec, payload)
+
+    built = least(span, repeat)
+    queued = list(processor._batch_processor._queue)[:512]
+    encoded = least(lambda: encode_spans(queued).SerializePartialToString(), repeat, 3)
+    processor.shutdown()
+    return [
+        ("tracing", "the call's span built and queued (request path)", built),
+        ("tracing", "the span encoded for OTLP (exporter thread)", encoded / len(queued)),
+    ]
 
 
 def stages(repeat: int) -> list[tuple[str, str, float]]:
@@ -166,10 +214,24 @@ def stages(repeat: int) -> list[tuple[str, str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7, help="rounds; the least is kept [7]")
+    parser.add_argument(
+        "--tracing", action="store_true", help="also the call's OpenTelemetry span (proxy.tracing)"
+    )
     args = parser.parse_args()
+    rows = stages(args.repeat)
+    if args.tracing:
+        rows += tracing_stages(args.repeat)
     print(f"{'part':<8} {'stage':<66} {'µs':>8}")
-    for part, stage, micros in stages(args.repeat):
+    for part, stage, micros in rows:
         print(f"{part:<8} {stage:<66} {micros:8.1f}")
+    if args.tracing:
+        request = sum(micros for part, _, micros in rows if part == "request")
+        stream = next(micros for part, _, micros in rows if part == "stream")
+        span = sum(micros for part, _, micros in rows if part == "tracing")
+        print(
+            f"a span: {span:.1f} µs = {span / request:.1%} of a whole answer's stages "
+            f"({request:.1f} µs), {span / stream:.1%} of a stream's ({stream:.1f} µs)"
+        )
 
 
 if __name__ == "__main__":

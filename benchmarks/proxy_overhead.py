@@ -2,7 +2,7 @@
 
     python benchmarks/proxy_overhead.py [--quick] [--duration 4] [--runs 2] [--sessions-soak 1000]
                                         [--context-tokens 0] [--vllm] [--apis]
-                                        [--baseline DIR] [--floors]
+                                        [--baseline DIR] [--floors] [--tracing]
 
 Starts the instant fake engine (tests/proxy/fake_engine.py, cached answers), the floor
 (benchmarks/passthrough.py: aiohttp relay, no recording) and `trajstore proxy` recording into a
@@ -24,24 +24,31 @@ its own sessions, and their CPU per request is printed against chat's.
 "trajstore-baseline", recording into the same database, in the same rotation: before and after,
 same machine, same run. `--floors` adds the floor's pass-through served as a bare ASGI app by
 the proxy's own server ("floor-asgi": uvicorn, `proxy.server`), which tells the server's share
-of the proxy's cost from the proxy's own work.
+of the proxy's cost from the proxy's own work. `--tracing` adds two more proxies of this
+checkout with OpenTelemetry tracing on (`proxy.tracing`, `TRAJSTORE_TRACING=otlp`):
+"trajstore-traced" exporting to a real OTLP/HTTP receiver in this process
+(tests/proxy/otlp_receiver.py, decoding every batch), "trajstore-traced-down" to a closed port
+(a collector that is down); their CPU per request is printed against "trajstore"'s, tracing off,
+same run, and the spans received against the requests sent.
 
 The database is TRAJSTORE_DATABASE_URL's server, else the embedded one; it needs the right to
 create databases. Prints medians over the runs, then the ratios the proxy is held to. Exits
 non-zero when a token is lost or the soak sees an error. The servers and requests are in
-`overhead_servers.py`, the load and the sessions in `overhead_load.py`.
+`overhead_servers.py`, the load and the sessions in `overhead_load.py`, the report in
+`overhead_report.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import asyncpg
@@ -60,6 +67,14 @@ from overhead_load import (
     one_request,
     percentile,
     reconcile,
+)
+from overhead_report import (
+    print_apis,
+    print_ratios,
+    print_table,
+    print_throughput,
+    print_tracing,
+    summarise,
 )
 from overhead_servers import (
     ENGINE_MAIN,
@@ -80,143 +95,6 @@ from overhead_servers import free_port as free_port
 from trajstore.store.connection import asyncpg_dsn
 from trajstore.store.embedded import database_url
 
-#: The proxies whose ratios to the floor are printed: this checkout's, and the baseline's.
-PROXIES = ("trajstore", "trajstore-baseline")
-
-
-# -- report -------------------------------------------------------------------------------------
-
-
-@dataclass
-class Row:
-    """Medians over the runs of one (target, mode, concurrency)."""
-
-    rps: float
-    p50: float
-    p99: float
-    ttft: float
-    cpu: dict[str, float]  # ms per request
-    errors: int
-
-
-def summarise(samples: list[Sample]) -> Row:
-    def med(values: list[float]) -> float:
-        return statistics.median(values)
-
-    def per_request(key: str) -> float:
-        return med([1000 * s.cpu[key] / max(s.requests, 1) for s in samples])
-
-    return Row(
-        rps=med([s.requests / s.seconds for s in samples]),
-        p50=med([1000 * percentile(s.latencies, 0.5) for s in samples]),
-        p99=med([1000 * percentile(s.latencies, 0.99) for s in samples]),
-        ttft=med([1000 * percentile(s.ttfts, 0.5) for s in samples]),
-        cpu={key: per_request(key) for key in samples[0].cpu},
-        errors=sum(s.errors for s in samples),
-    )
-
-
-def fmt(value: float | None, spec: str = "8.2f") -> str:
-    width = int(spec.split(".")[0])
-    if value is None or value != value:  # None or NaN
-        return "n/a".rjust(width)
-    return format(value, spec)
-
-
-def print_table(rows: dict[tuple[str, str, int], Row]) -> None:
-    print(
-        f"{'target':<19} {'mode':<10} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'+p50 ms':>8} {'ttft ms':>8} {'cpu/req':>8} {'db/req':>8} {'eng/req':>8} "
-        f"{'cli/req':>8} {'errors':>6}"
-    )
-    for (name, mode, conc), row in rows.items():
-        direct = rows[("direct", mode, conc)]
-        print(
-            f"{name:<19} {mode:<10} {conc:>4} {row.rps:8.0f} {row.p50:8.2f} {row.p99:8.2f} "
-            f"{fmt(None if name == 'direct' else row.p50 - direct.p50)} "
-            f"{fmt(row.ttft if mode == 'stream' else None)} "
-            f"{fmt(None if name.startswith('direct') else row.cpu['target'], '8.3f')} "
-            f"{fmt(row.cpu.get('db'), '8.3f')} {row.cpu['engine']:8.3f} "
-            f"{row.cpu['client']:8.3f} {row.errors:6d}"
-        )
-    print(
-        "(+p50: p50 minus direct's; cpu/req: the target server's CPU ms per request; db/req: "
-        "trajstore's PostgreSQL backends'; eng/req: the engine's; cli/req: the load generator's)"
-    )
-
-
-def print_ratios(rows: dict[tuple[str, str, int], Row], levels: list[int]) -> None:
-    print("\nCPU/request ÷ floor CPU/request (target ≤ 2×; with its db backends):")
-    for name in [*PROXIES, "floor-asgi"]:
-        for mode in ("non-stream", "stream"):
-            if (name, mode, levels[0]) not in rows:
-                continue
-            parts = []
-            for conc in levels:
-                ours, floor = rows[(name, mode, conc)].cpu, rows[("floor", mode, conc)].cpu
-                ratio = ours["target"] / floor["target"]
-                with_db = (ours["target"] + ours.get("db", 0.0)) / floor["target"]
-                parts.append(f"c={conc} {ratio:.2f}× ({with_db:.2f}×)")
-            print(f"  {name:<18} {mode:<10} " + "   ".join(parts))
-    if ("trajstore-baseline", "stream", levels[0]) in rows:
-        print("trajstore CPU/request ÷ the baseline's (same run):")
-        for mode in ("non-stream", "stream"):
-            parts = []
-            for conc in levels:
-                ours = rows[("trajstore", mode, conc)].cpu["target"]
-                base = rows[("trajstore-baseline", mode, conc)].cpu["target"]
-                parts.append(f"c={conc} {ours / base:.2f}× ({ours:.3f} / {base:.3f} ms)")
-            print(f"  {mode:<10} " + "   ".join(parts))
-    print("trajstore added p50 vs direct at concurrency 1 (target ≤ 1 ms):")
-    for mode in ("non-stream", "stream"):
-        direct, floor = rows[("direct", mode, 1)], rows[("floor", mode, 1)]
-        ours = rows[("trajstore", mode, 1)]
-        print(
-            f"  {mode:<10} {ours.p50 - direct.p50:.3f} ms "
-            f"(floor {floor.p50 - direct.p50:.3f} ms; trajstore over floor "
-            f"{ours.p50 - floor.p50:.3f} ms)"
-        )
-    top = max(levels)
-    print(f"trajstore p99 ÷ floor p99 at concurrency {top} (target ≤ 1.5×):")
-    for mode in ("non-stream", "stream"):
-        ours, floor = rows[("trajstore", mode, top)], rows[("floor", mode, top)]
-        print(f"  {mode:<10} {ours.p99 / floor.p99:.2f}× ({ours.p99:.1f} / {floor.p99:.1f} ms)")
-
-
-def print_apis(rows: dict[tuple[str, str, int], Row], levels: list[int]) -> None:
-    print("\neach agent API's CPU/request through trajstore ÷ chat's (target ≤ 1.2×):")
-    for api in ("messages", "responses"):
-        for mode in ("non-stream", "stream"):
-            parts = []
-            for conc in levels:
-                chat = rows[("trajstore", mode, conc)].cpu["target"]
-                ours = rows[(f"trajstore-{api}", mode, conc)].cpu["target"]
-                parts.append(f"c={conc} {ours / chat:.2f}× ({ours:.3f} / {chat:.3f} ms)")
-            print(f"  {api:<9} {mode:<10} " + "   ".join(parts))
-
-
-def print_throughput(rows: dict[tuple[str, str, int], Row], levels: list[int]) -> None:
-    print("\nagainst the real engine, trajstore req/s ÷ direct req/s (target ≥ 0.95×):")
-    for mode in ("non-stream", "stream"):
-        parts = []
-        for conc in levels:
-            ours, direct = rows[("trajstore", mode, conc)], rows[("direct", mode, conc)]
-            parts.append(f"c={conc} {ours.rps / direct.rps:.2f}×")
-        print(f"  {mode:<10} " + "   ".join(parts))
-    print(
-        "the engine asked directly for what trajstore asks it (token ids, logprobs) ÷ direct, "
-        "and trajstore ÷ that (the proxy's own share):"
-    )
-    for mode in ("non-stream", "stream"):
-        parts = []
-        for conc in levels:
-            direct = rows[("direct", mode, conc)]
-            asked = rows[("direct+ids", mode, conc)]
-            ours = rows[("trajstore", mode, conc)]
-            parts.append(f"c={conc} {asked.rps / direct.rps:.2f}× / {ours.rps / asked.rps:.2f}×")
-        print(f"  {mode:<10} " + "   ".join(parts))
-
-
 # -- the run ------------------------------------------------------------------------------------
 
 
@@ -232,6 +110,7 @@ class Plan:
     apis: bool = False  # also Anthropic Messages and OpenAI Responses through trajstore
     baseline: Path | None = None  # another checkout's proxy, measured beside this one
     floors: bool = False  # also the pass-through as a bare ASGI app on the proxy's server
+    tracing: bool = False  # also proxies with tracing on: a live collector, and one down
 
 
 async def soak(http: aiohttp.ClientSession, targets: list[Target], db: DbBackends, n: int) -> bool:
@@ -259,12 +138,30 @@ async def soak(http: aiohttp.ClientSession, targets: list[Target], db: DbBackend
     return await reconcile(targets, db, f"after the soak of {n}") and errors == 0
 
 
+async def collected(db: DbBackends, received: Any, sessions: int) -> bool:
+    """Every call through trajstore-traced, and each of its finished sessions, reached the
+    collector as a span (waiting up to 15 s for the exporter's last batches)."""
+    calls = await db.conn.fetchval(
+        "SELECT count(*) FROM events WHERE event_type = 'request_received' "
+        "AND session_id LIKE 'trajstore-traced-%' AND session_id NOT LIKE 'trajstore-traced-down%'"
+    )
+    expected = calls + sessions
+    deadline = time.monotonic() + 15
+    while len(received.spans) < expected and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.1)
+    got = len(received.spans)
+    verdict = "ok" if got == expected else "MISMATCH"
+    print(f"tracing: {got} spans received for {calls} calls and {sessions} sessions: {verdict}")
+    return got == expected
+
+
 async def main(plan: Plan) -> int:
     url = await asyncio.to_thread(database_url)
     dbs = Databases(url)
     servers = Servers()
     http = new_client()  # for everything but the load itself
     conn: asyncpg.Connection | None = None
+    tracing = contextlib.ExitStack()  # the OTLP receiver of --tracing
     try:
         await dbs.setup()
         scratch = await dbs.fresh()
@@ -319,6 +216,28 @@ async def main(plan: Plan) -> int:
             targets.append(
                 Target("direct+ids", [Route(engine.url + chat, {})], [], asks_like_trajstore=True)
             )
+        if plan.tracing:
+            sys.path.insert(0, str(ROOT))  # tests/proxy/otlp_receiver.py: the collector
+            from tests.proxy import otlp_receiver
+
+            spans = tracing.enter_context(otlp_receiver.http_receiver())
+            for name, collector in (
+                ("trajstore-traced", spans[0]),
+                ("trajstore-traced-down", f"http://127.0.0.1:{free_port()}"),
+            ):
+                traced_env = {
+                    **env,
+                    "TRAJSTORE_TRACING": "otlp",
+                    "OTEL_EXPORTER_OTLP_ENDPOINT": collector,
+                    "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                }
+                traced = servers.start(name, [*proxy_argv(python, None), *serve], env=traced_env)
+                await servers.wait_ready(traced, http, "/health")
+                traced_routes = await create_sessions(
+                    http, traced.url, [f"{name}-{i}" for i in range(max(plan.levels))]
+                )
+                routes += traced_routes
+                targets.append(Target(name, traced_routes, [traced.process.pid], traced))
         load = Load(http, engine.process.pid, db, usage=plan.vllm)
         samples: dict[tuple[str, str, int], list[Sample]] = {}
         for stream in (False, True):
@@ -342,9 +261,13 @@ async def main(plan: Plan) -> int:
             print_ratios(rows, plan.levels)
         if plan.apis:
             print_apis(rows, plan.levels)
+        if plan.tracing:
+            print_tracing(rows, plan.levels)
         print()
         await finish_sessions(http, routes)
         ok = await reconcile(targets, db, "load runs")
+        if plan.tracing:
+            ok = await collected(db, spans[1], max(plan.levels)) and ok
         if plan.soak:
             ok = await soak(http, targets, db, plan.soak) and ok
         return 0 if ok else 1
@@ -353,6 +276,7 @@ async def main(plan: Plan) -> int:
         if conn is not None:
             await conn.close()
         servers.stop()
+        tracing.close()
         await dbs.drop_all()
 
 
@@ -387,6 +311,11 @@ if __name__ == "__main__":
         help="also serve the proxy of another checkout (a worktree of main, say) in the same run",
     )  # fmt: skip
     parser.add_argument(
+        "--tracing", action="store_true",
+        help="also proxies with OpenTelemetry tracing on: to a live OTLP receiver, and to a "
+        "collector that is down",
+    )  # fmt: skip
+    parser.add_argument(
         "--floors", action="store_true",
         help="also the pass-through as a bare ASGI app on the proxy's server (floor-asgi)",
     )  # fmt: skip
@@ -407,6 +336,7 @@ if __name__ == "__main__":
         apis=args.apis,
         baseline=args.baseline,
         floors=args.floors,
+        tracing=args.tracing,
     )
     if 1 not in plan.levels:
         parser.error("the concurrency levels must include 1 (the added-latency figure)")

@@ -60,6 +60,7 @@ from trajstore.proxy.relay_channel import accept_relay
 from trajstore.proxy.replicas import connection_name, new_replica_id
 from trajstore.proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
 from trajstore.proxy.settings import ProxySettings
+from trajstore.proxy.tracing import start_tracing
 from trajstore.proxy.transport import TransportError
 from trajstore.store import EventStore, StoreError
 from trajstore.store.collector import fewer_collections
@@ -103,8 +104,9 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = await EventStore.open(database_url)
         replica_id = new_replica_id()  # names its connections: how replicas find each other
+        tracer = start_tracing(settings, replica_id)  # first: a misconfiguration stops us here
+        store = await EventStore.open(database_url)
         writer = store.writer(
             max_pending=settings.writer_max_pending,
             flush_interval=settings.writer_linger,
@@ -148,6 +150,7 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
             metrics,
             turn_in_log=functools.partial(turn_in_log, store, registry.replicas),
             replica_id=replica_id,
+            tracer=tracer,
         )
         registry.on_closed.append(forwarder.contexts.forget)
         metrics.contexts_held.set_function(lambda: forwarder.contexts.held)
@@ -199,6 +202,8 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
                 await registry.replicas.close()  # listened until now: a finish may need us
                 await http.close()
                 await store.close()
+                if tracer is not None:
+                    await tracer.close()
 
     app = ProxyApp(settings.max_body_bytes, title="trajstore proxy", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
@@ -357,6 +362,8 @@ def _add_routes(app: FastAPI) -> None:
     ) -> dict[str, Any]:
         _require_orchestrator_key(state, session_id, authorization)
         session = await state.registry.finish(session_id, body)
+        if state.forwarder.tracer is not None:
+            state.forwarder.tracer.session_finished(session, session.status)
         return {"session_id": session_id, "status": session.status}
 
     @app.post("/sessions/{session_id}/discard")

@@ -7,7 +7,8 @@ ProxyError
 ├── Conflict                409  session finished, discarded, past its deadline, or reused
 ├── PayloadTooLarge         413  body above the limit
 ├── Overloaded              503  the recorder or every engine is saturated (Retry-After)
-└── EngineFailed            502/504  the engine failed or timed out (recorded as an event)
+├── EngineFailed            502/504  the engine failed or timed out (recorded as an event)
+└── TracingUnavailable      (at start) tracing asked for, and it cannot export
 """
 
 from __future__ import annotations
@@ -118,3 +119,7 @@ def from_store_error(exc: StoreError) -> ProxyError:
 def from_bug(exc: Exception) -> ProxyError:
     """The HTTP answer to an unexpected exception of ours (a 500 naming it)."""
     return ProxyError(f"the proxy failed: {type(exc).__name__}: {exc}")
+
+
+class TracingUnavailable(ProxyError):
+    """Tracing is on, and the OpenTelemetry SDK cannot export as asked (`proxy.tracing`)."""

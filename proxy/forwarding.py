@@ -40,6 +40,7 @@ from trajstore.proxy.recorder import RequestRecorder, new_request_id
 from trajstore.proxy.sessions import Session
 from trajstore.proxy.settings import ProxySettings
 from trajstore.proxy.streaming import JsonAnswer, RelayResponse, StreamRelay, Write
+from trajstore.proxy.tracing import TurnTracer
 from trajstore.proxy.transport import Answer, AnswerBroken, EngineUnreachable, TransportError
 from trajstore.proxy.wire import (
     ENGINE_PATHS,
@@ -72,12 +73,15 @@ class Forwarder:
         metrics: ProxyMetrics,
         turn_in_log: Callable[[str, list[Any]], Awaitable[Turn | None]] | None = None,
         replica_id: str | None = None,
+        tracer: TurnTracer | None = None,
     ) -> None:
         """`turn_in_log(session_id, messages)`: the session's deepest turn in the log that the
         messages continue, for a request that continues a turn this replica does not remember
         (`proxy.continuation.turn_in_log`); `replica_id`: this replica, recorded with each
-        request (`proxy.reaper` fails the requests of replicas that died)."""
+        request (`proxy.reaper` fails the requests of replicas that died); `tracer`: makes
+        each call's span when tracing is on (`proxy.tracing`)."""
         self.replica_id = replica_id
+        self.tracer = tracer
         self.http = http
         self.engines = engines
         self.writer = writer
@@ -155,7 +159,11 @@ class Forwarder:
             finish_reason_in_api=(
                 None if call.translation is None else call.translation.finish_reason
             ),
-        )
+            on_ended=None if self.tracer is None else self.tracer.call(
+                api=api, session=session, engine=engine.url,
+                policy_version=engine.policy_version, body=body,
+            ),
+        )  # fmt: skip
         try:
             received = recorder.received_event(
                 api=api,

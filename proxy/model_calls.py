@@ -234,14 +234,6 @@ async def record_refusal(
     """Record a request the proxy did not forward: its `request_received` (no engine chosen)
     and its `request_failed`. A body that is not valid is a 400 instead, as it would have been."""
     body, chat, asked, _, dropped, images = as_chat(api, raw, state.settings.hosted_tools)
-    recorder = RequestRecorder(
-        state.registry.writer,
-        session_id=session.session_id,
-        run_id=session.run_id,
-        request_id=new_request_id(),
-        max_image_bytes=state.settings.max_image_bytes,
-        image_token_id=state.settings.image_token_id,
-    )
     # No engine was chosen; the policy is the one the session's engine would have served.
     engines = state.engines
     policy_version = (
@@ -249,6 +241,18 @@ async def record_refusal(
         if engines.engines
         else state.settings.policy_version
     )
+    tracer = state.forwarder.tracer  # a refused call is a call: its span says why (`error.type`)
+    recorder = RequestRecorder(
+        state.registry.writer,
+        session_id=session.session_id,
+        run_id=session.run_id,
+        request_id=new_request_id(),
+        max_image_bytes=state.settings.max_image_bytes,
+        image_token_id=state.settings.image_token_id,
+        on_ended=None if tracer is None else tracer.call(
+            api=api, session=session, engine="", policy_version=policy_version, body=body
+        ),
+    )  # fmt: skip
     received = recorder.received_event(
         api=api,
         body=body,

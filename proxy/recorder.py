@@ -110,6 +110,7 @@ class RequestRecorder:
         finish_reason_in_api: Callable[[str | None, Any], str | None] | None = None,
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
         image_token_id: int | None = None,
+        on_ended: Callable[[RequestRecorder, dict[str, Any]], None] | None = None,
     ) -> None:
         """`turns`: the session's turns this replica remembers, which this turn's prompt and
         messages may reference (`proxy.lineages`); `on_completed`: told this turn as a `Turn`
@@ -119,7 +120,9 @@ class RequestRecorder:
         `finish_reason_in_api`: a translated API's name for a chat finish reason (`proxy.apis`);
         `max_image_bytes`: the largest image a chat message may carry (`proxy.images`);
         `image_token_id`: the engine's image placeholder id, recorded with requests that carry
-        images so the projection can locate them in the prompt."""
+        images so the projection can locate them in the prompt; `on_ended`: told this recorder
+        and its last event's payload (completion_finished or request_failed) once that event
+        is queued (`proxy.tracing`'s span)."""
         self.writer = writer
         self.session_id = session_id
         self.run_id = run_id
@@ -151,6 +154,8 @@ class RequestRecorder:
         self.image_token_id = image_token_id
         # The images recorded for the session so far (by this replica): referenced, not repeated.
         self._images = self.turns.images
+        self.on_ended = on_ended
+        self.response_model: str | None = None  #: the model the engine says answered
 
     def received_event(
         self,
@@ -269,6 +274,8 @@ class RequestRecorder:
 
         Synchronous, so that a stream pays for one `drain()` per read, not one await per event.
         """
+        if extracted.model is not None and self.response_model is None:
+            self.response_model = extracted.model
         if extracted.prompt_token_ids is not None and not self.prompt_recorded:
             self.prompt_recorded = True
             self._outbox.append(self._prompt_event(extracted.prompt_token_ids))
@@ -317,6 +324,8 @@ class RequestRecorder:
         whole = sorted(self._choices) == list(range(len(self._choices)))
         if self.on_completed is not None and self._prompt is not None and whole:
             self.on_completed(self._as_turn(choices), self._extended(), self.plan.turn)
+        if self.on_ended is not None:
+            self.on_ended(self, payload)
 
     def _as_turn(self, finished: list[FinishedChoice]) -> Turn:
         endings = tuple(
@@ -362,6 +371,24 @@ class RequestRecorder:
         )
         await self.emit(self._event(failure))
         self.ended = True
+        if self.on_ended is not None:
+            self.on_ended(self, payload)
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """How many prompt tokens the engine echoed (and the log holds), once it did."""
+        return None if self._prompt is None else len(self._prompt) // 4
+
+    @property
+    def completion_tokens(self) -> int:
+        """How many tokens the choices generated so far, recorded or still buffered."""
+        return sum(buffer.n_tokens for buffer in self._choices.values())
+
+    @property
+    def extends(self) -> str | None:
+        """The request id of the remembered turn whose tokens this prompt extends, if any."""
+        turn = self._extended() if self._prompt is not None else None
+        return None if turn is None else turn.request_id
 
     # -- internals ----------------------------------------------------------------------------
 

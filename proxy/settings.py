@@ -167,6 +167,24 @@ class ProxySettings(BaseSettings):
         "besides the admin key; env: comma-separated. With neither set, any relay may.",
     )
 
+    tracing: Literal["off", "otlp"] = Field(
+        default="off",
+        description="`otlp`: every model call as an OpenTelemetry GenAI span, one trace per "
+        "session, exported over OTLP in the background (`proxy.tracing`); where and how say the "
+        "standard OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL (http/protobuf or "
+        "grpc), OTEL_SERVICE_NAME, ... variables. Needs `pip install 'trajstore[observe]'`.",
+    )
+    tracing_content: bool = Field(
+        default=False,
+        description="Put each call's messages and replies into its span "
+        "(gen_ai.input.messages, gen_ai.output.messages); off: counts and ids only.",
+    )
+    viewer_url: str | None = Field(
+        default=None,
+        description="Where people reach the trajectory viewer (`trajstore ui`): each span links "
+        "to its turn's page there (trajstore.viewer.url).",
+    )
+
     @field_validator("relay_tokens", mode="before")
     @classmethod
     def _split_relay_tokens(cls, value: object) -> object:

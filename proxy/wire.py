@@ -173,6 +173,7 @@ class Extracted:
     prompt_token_ids: list[int] | None = None
     choices: list[ChoiceTokens] = field(default_factory=list)
     usage: dict[str, Any] | None = None
+    model: str | None = None  #: the model the engine names in its answer
 
 
 def _logprobs_of(api: Api, choice: dict[str, Any], n_tokens: int) -> list[float] | None:
@@ -222,7 +223,7 @@ def extract(api: Api, data: dict[str, Any]) -> Extracted:
                 delta,
             )
         )
-    return Extracted(prompt, choices, data.get("usage"))
+    return Extracted(prompt, choices, data.get("usage"), data.get("model"))
 
 
 def extract_stream(api: Api, chunks: list[dict[str, Any]]) -> Extracted:
@@ -242,6 +243,8 @@ def extract_stream(api: Api, chunks: list[dict[str, Any]]) -> Extracted:
         prompt = data.get("prompt_token_ids")
         if prompt is not None and merged.prompt_token_ids is None:
             merged.prompt_token_ids = prompt
+        if merged.model is None:
+            merged.model = data.get("model")
         for choice in data.get("choices") or ():
             if merged.prompt_token_ids is None and choice.get("prompt_token_ids") is not None:
                 merged.prompt_token_ids = choice["prompt_token_ids"]  # completions: per choice

@@ -40,6 +40,12 @@ from trajstore.trainer.collate import Layout, sample_ids
 from trajstore.trainer.errors import BadSelection, TrainerError
 from trajstore.trainer.learner import Learner, LearnerConfig
 from trajstore.trainer.ledger import read_step, record_step, training_stream
+from trajstore.trainer.metrics_log import (
+    TENSORBOARD_DIR_ENV,
+    WANDB_PROJECT_ENV,
+    MetricsLog,
+    open_metrics_log,
+)
 from trajstore.trainer.prefetch import Waits, prefetched
 from trajstore.trainer.replay import open_store, replay
 from trajstore.trainer.selection import Selection
@@ -116,6 +122,7 @@ async def train_steps(
     on_step: Callable[[dict[str, float]], None] | None = None,
     learner: Learner | None = None,
     rollouts: bool = False,
+    metrics_log: MetricsLog | None = None,
 ) -> list[dict[str, float]]:
     """Train the model in `model_dir` until `steps` steps of `training_run` are done.
 
@@ -128,7 +135,8 @@ async def train_steps(
     `config.checkpoint_every` steps and at the end. The trained model (and its tokenizer) is
     saved to `save_dir` when given. Returns the metrics of the steps this call trained.
     `learner`: one already built (a benchmark's model made from a config), instead of loading
-    `model_dir`'s with `config.learner`.
+    `model_dir`'s with `config.learner`. `metrics_log`: where each step's metrics are reported
+    too (TensorBoard, W&B: `trainer.metrics_log`).
     """
     config = config or RecipeConfig()
     learner = learner or Learner.load(model_dir, config.learner)
@@ -179,6 +187,8 @@ async def train_steps(
                 )  # fmt: skip
             state = replace(state, step=step, epoch=epoch, batches_in_epoch=number)
             history.append(metrics)
+            if metrics_log is not None:
+                metrics_log.step(step, metrics)
             if on_step is not None:
                 on_step(metrics)
             if step == steps:
@@ -232,6 +242,15 @@ def main() -> None:
         action="store_true",
         help="train on every lineage of a session (sub-agents, side calls), not the main loop",
     )
+    parser.add_argument(
+        "--tensorboard-dir", type=Path,
+        help=f"write TensorBoard event files under DIR/TRAINING_RUN (env {TENSORBOARD_DIR_ENV})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--wandb-project",
+        help=f"report to this W&B project too; WANDB_MODE=offline works without a network "
+        f"(env {WANDB_PROJECT_ENV})",
+    )
     args = parser.parse_args()
     config = RecipeConfig(
         batch_size=args.batch_size, token_budget=args.token_budget, pack=args.pack,
@@ -250,13 +269,18 @@ def main() -> None:
             flush=True,
         )
 
-    asyncio.run(
-        train_steps(
-            args.database_url, args.run_id, args.model_dir, args.steps,
-            training_run=args.training_run, config=config, save_dir=args.save,
-            checkpoint_dir=args.checkpoint_dir, on_step=show, rollouts=args.rollouts,
-        )
-    )  # fmt: skip
+    with open_metrics_log(
+        args.training_run, [args.run_id], tensorboard_dir=args.tensorboard_dir,
+        wandb_project=args.wandb_project,
+    ) as metrics_log:  # fmt: skip
+        asyncio.run(
+            train_steps(
+                args.database_url, args.run_id, args.model_dir, args.steps,
+                training_run=args.training_run, config=config, save_dir=args.save,
+                checkpoint_dir=args.checkpoint_dir, on_step=show, rollouts=args.rollouts,
+                metrics_log=metrics_log,
+            )
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

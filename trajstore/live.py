@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,6 +38,7 @@ from trajstore.trainer.checkpoint import (
 from trajstore.trainer.collate import Layout
 from trajstore.trainer.learner import Learner
 from trajstore.trainer.ledger import read_step, record_step
+from trajstore.trainer.metrics_log import MetricsLog
 from trajstore.trainer.recipe import recorded_steps
 from trajstore.trainer.replay import LiveCheckpoint, replay_live
 from trajstore.trainer.selection import Selection
@@ -61,6 +63,7 @@ async def train_live(
     agents: AgentPool | None = None,
     checkpoint_dir: Path | None = None,
     on_step: Callable[[dict[str, float]], None] | None = None,
+    metrics_log: MetricsLog | None = None,
 ) -> list[dict[str, float]]:
     """Train on run `run_id`'s samples as they arrive until `config.policies` versions exist.
 
@@ -74,7 +77,8 @@ async def train_live(
     run's weights are published under that step's version.
 
     Returns each step's metrics (with `policy_version`, the version the step produced, and
-    `staleness_mean`, the mean lag of the batch's samples).
+    `staleness_mean`, the mean lag of the batch's samples), also reported to `metrics_log`
+    (TensorBoard, W&B: `trainer.metrics_log`) at step N = policy version N.
     """
     state, live = await _resume(store, learner, training_run, checkpoint_dir)
     if state.policy_version >= config.policies:
@@ -86,14 +90,17 @@ async def train_live(
     layout = Layout(batch_size=config.batch_size)
 
     async def train() -> None:
+        asked = time.perf_counter()  # when the trainer began waiting for its next batch
         async for batch, checkpoint in replay_live(
             store, Selection(runs=(run_id,)), batch_size=config.batch_size,
             group_size=config.group_size, checkpoint=live, policy_version=lambda: policy[0],
             max_lag=config.max_lag, poll_interval=0.1,
         ):  # fmt: skip
+            waited = time.perf_counter() - asked  # agents generating, projector, store
             # In threads: the proxy may share this event loop (`trajstore train` serves it).
             prepared = await asyncio.to_thread(learner.prepare, batch)
             metrics = await asyncio.to_thread(learner.step, prepared)
+            metrics["wait_seconds"] = waited
             samples = batch.get_non_tensor("samples")
             metrics["staleness_mean"] = sum(s["staleness"] for s in samples) / len(samples)
             policy[0] = version = policy[0] + 1
@@ -109,12 +116,15 @@ async def train_live(
                     save_checkpoint, checkpoint_dir, learner.model, learner.optimiser, at
                 )
             history.append(metrics)
+            if metrics_log is not None:
+                metrics_log.step(version, metrics)
             if on_step is not None:
                 on_step(metrics)
             if version >= config.policies:
                 return  # before letting agents start sessions no step will train on
             if agents is not None:
                 await agents.take(len(checkpoint.delivered))
+            asked = time.perf_counter()
 
     if agents is None:
         await train()

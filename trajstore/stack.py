@@ -326,6 +326,8 @@ async def serving(
         def capture_signals(self) -> Iterator[None]:
             yield
 
+    if ui is not None and settings.viewer_url is None:  # traces link to this viewer's pages
+        settings = settings.model_copy(update={"viewer_url": f"http://{ui.host}:{ui.port}"})
     config = uvicorn.Config(
         create_app(settings, recorder_url or database_url), host=settings.host, port=settings.port,
         log_level="warning", access_log=False, lifespan="on", **SERVER_OPTIONS,

@@ -26,6 +26,7 @@ import click
 if TYPE_CHECKING:  # torch and the trainer load on use: `trajstore --help` stays fast
     from trajstore.live import LiveConfig
     from trajstore.trainer.learner import LearnerConfig
+    from trajstore.trainer.metrics_log import MetricsLog
 
 SERVED_NAME = "tiny"
 
@@ -74,10 +75,13 @@ async def run_config(
     eval_sessions: int,
     on_step: Callable[[dict[str, float]], None] | None = None,
     checkpoint_dir: Path | None = None,
+    metrics_log: MetricsLog | None = None,
 ) -> dict[str, object]:
     """One live run from policy v0: eval on v0, train `config.policies` versions, eval again.
 
-    The engine is reset to v0's weights first, so runs in one process start alike.
+    The engine is reset to v0's weights first, so runs in one process start alike. With
+    `metrics_log`, each step's metrics and the two evaluations' mean rewards (`eval/`, at step
+    0 and at the last version) are reported there too.
     """
     from trajstore.client import AsyncClient
     from trajstore.live import AgentPool, train_live
@@ -95,14 +99,26 @@ async def run_config(
         ):
             agents = AgentPool(client, SERVED_NAME, run_id, config)
             before = await agents.evaluate(f"{run_id}-eval-v0", eval_sessions)
+            _report_eval(metrics_log, 0, before)
             history = await train_live(
                 store, learner, publisher, config, run_id=run_id, training_run=run_id,
                 agents=agents, checkpoint_dir=checkpoint_dir, on_step=on_step,
+                metrics_log=metrics_log,
             )  # fmt: skip
             after = await agents.evaluate(f"{run_id}-eval-v{config.policies}", eval_sessions)
+            _report_eval(metrics_log, config.policies, after)
     finally:
         await publisher.close()
     return {"before": before, "after": after, "history": history}
+
+
+def _report_eval(metrics_log: MetricsLog | None, version: int, rewards: list[float]) -> None:
+    """An evaluation's mean reward (and its standard error) at policy `version`."""
+    from trajstore.live import summary
+
+    if metrics_log is not None and rewards:
+        mean, se = summary(rewards)
+        metrics_log.step(version, {"reward_mean": mean, "reward_se": se}, prefix="eval")
 
 
 def report(result: dict[str, object], policies: int) -> str:
@@ -133,16 +149,24 @@ def report(result: dict[str, object], policies: int) -> str:
 @click.option("--run-id", default=None, help="Run id of the sessions [default: live-<random>].")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Checkpoint every step; resume from the last one there.")  # fmt: skip
+@click.option("--tensorboard-dir", type=click.Path(file_okay=False, path_type=Path),
+              envvar="TRAJSTORE_TENSORBOARD_DIR", show_envvar=True,
+              help="Write TensorBoard event files of the metrics under DIR/RUN_ID.")  # fmt: skip
+@click.option("--wandb-project", envvar="TRAJSTORE_WANDB_PROJECT", show_envvar=True,
+              help="Report the metrics to this W&B project too (WANDB_MODE=offline: no "
+              "network needed).")  # fmt: skip
 @click.pass_context
 def train(
     ctx: click.Context, policies: int, batch_size: int, group_size: int, max_lag: int, tis: bool,
     lr: float, eval_sessions: int, device: str, run_id: str | None, checkpoint_dir: Path | None,
+    tensorboard_dir: Path | None, wandb_project: str | None,
 ) -> None:  # fmt: skip
     """Agents through the proxy, trained on live as they finish; each policy published."""
     from trajstore.live import LiveConfig, describe_step
     from trajstore.stack import backends, cached_tiny_model
     from trajstore.store.settings import store_settings_of
     from trajstore.trainer.learner import LearnerConfig
+    from trajstore.trainer.metrics_log import open_metrics_log
 
     if batch_size % group_size:
         raise click.UsageError("--batch-size must be a multiple of --group-size")
@@ -152,6 +176,9 @@ def train(
                         max_lag=max_lag)  # fmt: skip
     learner_config = LearnerConfig(device=device, lr=lr, importance_weights=tis)
     with (
+        open_metrics_log(
+            run_id, [run_id], tensorboard_dir=tensorboard_dir, wandb_project=wandb_project
+        ) as metrics_log,
         backends(settings, [], local_engine=False) as found,
         tempfile.TemporaryDirectory(prefix="trajstore-train-") as work,
     ):
@@ -164,7 +191,7 @@ def train(
                 return await run_config(
                     services, config, learner_config, run_id=run_id,
                     eval_sessions=eval_sessions, on_step=lambda m: click.echo(describe_step(m)),
-                    checkpoint_dir=checkpoint_dir,
+                    checkpoint_dir=checkpoint_dir, metrics_log=metrics_log,
                 )  # fmt: skip
 
         result = asyncio.run(main())

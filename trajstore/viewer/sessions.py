@@ -4,6 +4,7 @@
     GET /sessions/{id}/summary      the same without the frame (what a live page swaps in)
     GET /sessions/{id}/turns/{n}    one turn's body: messages, tool calls, timing, token strip
                                     (and the images its strip holds, as thumbnails)
+    GET /sessions/{id}/requests/{r} the turn of request r: a redirect to its page, opened at it
     GET /sessions/{id}/images/{sha256}  an image the session recorded, as its bytes
     GET /sessions/{id}/live         server-sent events: `changed` when the log grew, `finished`
 
@@ -19,10 +20,11 @@ import asyncio
 import base64
 import math
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import orjson
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import HTMLResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 
 from trajstore.store import sample_reads
 from trajstore.viewer import queries
@@ -168,6 +170,21 @@ async def turn_body(request: Request, app: ViewerDep, session_id: str, index: st
         "divergence": view.starts[number].divergence if number in view.starts else None,
     }
     return app.templates.TemplateResponse(request, "_turn.html", context)
+
+
+@router.get("/sessions/{session_id}/requests/{request_id}")
+async def request_turn(request: Request, app: ViewerDep, session_id: str, request_id: str
+                       ) -> RedirectResponse:  # fmt: skip
+    """The page of the turn a request id names (what a trace's span links to): the session's
+    page of turns that lists it, opened at it."""
+    view = await app.sessions.get(app.store, session_id)
+    for index, turn in enumerate(view.session.turns):
+        if turn.request_id == request_id:
+            page = index // TURNS_PER_PAGE + 1
+            root = str(request.scope.get("root_path", "")).rstrip("/")
+            url = f"{root}/sessions/{quote(session_id, safe='')}?page={page}#turn-{index}"
+            return RedirectResponse(url, status_code=307)
+    raise PageNotFound(f"session {session_id!r} has no request {request_id!r}")
 
 
 @router.get("/sessions/{session_id}/images/{sha256}")

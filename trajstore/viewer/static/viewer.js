@@ -59,8 +59,16 @@ function lightImage(event, on) {
 document.addEventListener("mouseover", (e) => lightImage(e, true));
 document.addEventListener("mouseout", (e) => lightImage(e, false));
 
+// A link to one turn (`/sessions/ID/requests/R` redirects to `#turn-N`, e.g. from a trace's
+// span) opens it.
+function openLinkedTurn() {
+  const d = location.hash.startsWith("#turn-") && document.getElementById(location.hash.slice(1));
+  if (d && d.matches("details.turn")) d.open = true;
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   watchTurns(document);
+  openLinkedTurn();
   const session = document.getElementById("session");
   if (session) follow(session);
 });
