@@ -24,7 +24,8 @@ from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, referenced, referenc
 from trajstore.proxy.lineages import Ending, SessionTurns, Turn, messages_key, render_key
 from trajstore.proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
 from trajstore.store import BadEvent, EventType, EventWriter, NewEvent, request_stream
-from trajstore.store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
+from trajstore.store.payloads import VersionSpan
+from trajstore.store.tokens import TOKEN_DTYPE, decode_token_ids, encode_token_ids, shared_prefix
 
 #: A prompt is stored as a reference to an earlier turn of the session when it shares at least
 #: this many leading tokens with it (the prompt_tokens contract in `store.sessions`).
@@ -121,6 +122,9 @@ class RequestRecorder:
         self.image_token_id = image_token_id
         # The images recorded for the session so far (by this replica): referenced, not repeated.
         self._images = self.turns.images
+        #: (version, first token) of each engine request of the turn, in order: one, unless a
+        #: weight switch cut it and it went on (`proxy.switching`).
+        self._versions: list[tuple[str, int]] = []
 
     def received_event(
         self,
@@ -229,6 +233,43 @@ class RequestRecorder:
                 return {"request_id": turn.request_id, "n_messages": turn.n_messages}
         return None
 
+    def generating_on(self, version: str) -> None:
+        """The tokens recorded from now on come from policy `version` (an engine request of
+        this turn begins; a continuation after a switch begins a new span)."""
+        at = self.tokens_of(0)
+        if self._versions and self._versions[-1][1] == at:
+            self._versions.pop()  # the request before generated nothing
+        self._versions.append((version, at))
+
+    def tokens_of(self, index: int) -> int:
+        """How many tokens choice `index` has received so far."""
+        buffer = self._choices.get(index)
+        return 0 if buffer is None else buffer.n_tokens
+
+    def generated(self, index: int = 0) -> list[int]:
+        """The ids choice `index` has received so far, in order."""
+        packed = b"".join(self._completions.get(index, ()))
+        recorded = decode_token_ids(packed) if packed else None
+        buffer = self._choices.get(index)
+        held = buffer.token_ids if buffer else []
+        return ([] if recorded is None else recorded.tolist()) + held
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        """The prompt the engine echoed, once it did."""
+        prompt = decode_token_ids(self._prompt) if self._prompt else None
+        return None if prompt is None else prompt.tolist()
+
+    def version_spans(self, index: int) -> list[dict[str, Any]]:
+        """Which version generated which of choice `index`'s tokens, as stored."""
+        n = self.tokens_of(index)
+        versions = self._versions if index == 0 else self._versions[:1]  # n > 1 is never cut
+        spans = []
+        for i, (version, start) in enumerate(versions):
+            end = versions[i + 1][1] if i + 1 < len(versions) else n
+            spans.append(VersionSpan(version=version, start=start, end=end).model_dump())
+        return spans
+
     async def emit(self, event: NewEvent) -> None:
         """Queue one event of this request's stream."""
         self.version += 1
@@ -269,6 +310,7 @@ class RequestRecorder:
                 "stop_reason": buffer.stop_reason,
                 "message": buffer.message or self._streamed_message(buffer),
                 "n_tokens": buffer.n_tokens,
+                "version_spans": self.version_spans(index),
             }
             if self.finish_reason_in_api is not None:
                 ending = self.finish_reason_in_api(buffer.finish_reason, buffer.stop_reason)
@@ -323,13 +365,15 @@ class RequestRecorder:
             return
         self._all_chunks()
         await self.drain()
-        payload = {
+        payload: dict[str, Any] = {
             "reason": reason,
             "status": status,
             "message": message,
             "latency_s": time.monotonic() - self.started,
             "partial_tokens": {str(i): b.n_tokens for i, b in sorted(self._choices.items())},
         }
+        if self._versions:
+            payload["version_spans"] = {str(i): self.version_spans(i) for i in self._choices}
         await self.emit(self._event(EventType.REQUEST_FAILED, payload))
         self.ended = True
 
