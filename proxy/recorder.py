@@ -239,7 +239,8 @@ class RequestRecorder:
         at = self.tokens_of(0)
         if self._versions and self._versions[-1][1] == at:
             self._versions.pop()  # the request before generated nothing
-        self._versions.append((version, at))
+        if not self._versions or self._versions[-1][0] != version:
+            self._versions.append((version, at))  # the same version goes on in one span
 
     def tokens_of(self, index: int) -> int:
         """How many tokens choice `index` has received so far."""

@@ -89,6 +89,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trajstore.store.events import EventType, RecordedEvent, request_stream
+from trajstore.store.payloads import failed_version_spans, version_spans
 from trajstore.store.records import ChoiceRecord, SessionRecord, TurnRecord
 from trajstore.store.tokens import TokenIds, decode_logprobs, decode_token_ids
 
@@ -205,12 +206,16 @@ def rebuild_session(
                     choice.stop_reason = finished.get("stop_reason")
                     choice.message = finished.get("message")
                     choice.api_finish_reason = finished.get("api_finish_reason")
+                    if (spans := version_spans(finished)) is not None:
+                        choice.version_spans = [span.model_dump() for span in spans]
         elif kind == _FAILED:
             if stream in turns:
                 turn = turns[stream]
                 turn.status = "failed"
                 turn.failure = event.payload
                 turn.latency_s = turn.failure.get("latency_s")
+                for index, spans in failed_version_spans(event.payload).items():
+                    turn.choice(index).version_spans = [span.model_dump() for span in spans]
         elif kind == _CREATED:
             payload = event.payload
             session.run_id = event.run_id
