@@ -322,3 +322,59 @@ async def test_engines_switching_one_after_the_other_keep_their_sessions(
         assert exact(recorded["choices"][0]) == ["0", "1"]
         assert text == text_of(recorded["choices"][0]["token_ids"])
     assert all(e.version == "1" for e in engines.values())
+
+
+async def test_the_log_and_the_samples_say_which_tokens_each_version_generated(
+    start_proxy: ProxyFactory, versioned: FakeEngine, database_url: str
+) -> None:
+    from trajstore.store.projection import Projector
+    from trajstore.store.samples import token_versions
+
+    proxy = await start_proxy([versioned.url])
+    session = await proxy.new_session(run_id="spans")
+    await streamed_chat(proxy, session, 30, lambda: switch(proxy, versioned, "1"))
+    agent = proxy.agent(session)
+    await agent.chat.completions.create(  # a turn on one version only
+        model="tiny", messages=[{"role": "user", "content": "again"}], max_tokens=8
+    )
+    assert (await proxy.finish(session["session_id"])).status_code == 200
+    async with await EventStore.open(database_url) as store:
+        # Until projected: other transactions on the server may hold the readers' horizon back.
+        for _ in range(60):
+            await Projector(store).run_once(settle=1.0)
+            if await store.pool.fetchval(
+                "SELECT count(*) FROM samples WHERE session_id = $1", session["session_id"]
+            ):
+                break
+        straddled = await store.pool.fetch(
+            "SELECT request_id, first_version, last_version, version_lag FROM turn_versions "
+            "WHERE session_id = $1 AND straddled",
+            session["session_id"],
+        )
+        switches = await store.pool.fetch(
+            "SELECT version, outcome, interrupted FROM policy_switches"
+        )
+        [sample] = await store.pool.fetch(
+            "SELECT s.token_ids, s.loss_mask, s.logprobs, s.policy_versions, v.version_spans, "
+            "v.version_lag FROM samples s JOIN sample_versions v USING (sample_id) "
+            "WHERE s.session_id = $1 AND s.is_final",
+            session["session_id"],
+        )
+    turns = (await proxy.session_record(session["session_id"]))["turns"]
+    assert [(r["first_version"], r["last_version"], r["version_lag"]) for r in straddled] == [
+        ("0", "1", 1)
+    ]
+    assert straddled[0]["request_id"] == turns[0]["request_id"]  # not the turn on v1 alone
+    assert [(s["version"], s["outcome"], s["interrupted"]) for s in switches] == [("1", "live", 1)]
+    import numpy as np
+    import orjson
+
+    n = len(sample["token_ids"]) // 4
+    versions = token_versions(n, orjson.loads(sample["version_spans"]))
+    mask = np.frombuffer(sample["loss_mask"], np.uint8)
+    logprobs = np.frombuffer(sample["logprobs"], np.float32)
+    assert ((versions >= 0) == (mask == 1)).all()  # a version for every generated token
+    generated = versions >= 0
+    expected = np.array([version_logprob(str(v)) for v in versions[generated]], np.float32)
+    assert (logprobs[generated] == expected).all()  # each token's version is the one that wrote it
+    assert sample["policy_versions"] == ["0", "1"] and sample["version_lag"] == 1
