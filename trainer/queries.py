@@ -19,14 +19,14 @@ ORDER BY sample_id
 
 #: The arrays of the given samples, in one projection version.
 READ_ARRAYS = """
-SELECT sample_id, token_ids, loss_mask, logprobs FROM samples
+SELECT sample_id, token_ids, loss_mask, logprobs, version_spans FROM samples
 WHERE projection_version = $1 AND sample_id = ANY($2::uuid[])
 """
 
 #: The given samples in the served projection version (the ledger rebuilds a step from these).
 READ_SERVED_SAMPLES = f"""
 SELECT sample_id, session_id, group_id, reward, token_ids, loss_mask, logprobs,
-       policy_version_min, projection_version
+       version_spans, policy_version_min, projection_version
 FROM samples
 WHERE projection_version = {SERVED_SAMPLES_VERSION}
   AND sample_id = ANY($1::uuid[])
@@ -43,7 +43,7 @@ WHERE projection_version = {SERVED_SAMPLES_VERSION}
 # in flight: the same rule as the event log's READ_ALL, so a slow commit is never skipped.
 TAIL = """
 SELECT sample_id, session_id, group_id, reward, token_ids, loss_mask, logprobs,
-       policy_version_min, projected_tx, projected_seq
+       version_spans, policy_version_min, projected_tx, projected_seq
 FROM samples
 WHERE {where}
   AND (projected_tx, projected_seq) > (${tx}::xid8, ${seq}::int8)

@@ -41,6 +41,7 @@ from trajstore.trainer.collate import Layout, sample_ids
 from trajstore.trainer.errors import BadSelection, TrainerError
 from trajstore.trainer.learner import Learner, LearnerConfig
 from trajstore.trainer.ledger import read_step, record_step, training_stream
+from trajstore.trainer.loss import LossConfig
 from trajstore.trainer.prefetch import Waits, prefetched
 from trajstore.trainer.replay import open_store, replay
 from trajstore.trainer.selection import Selection
@@ -225,12 +226,18 @@ def main() -> None:
         action="store_true",
         help="train on every lineage of a session (sub-agents, side calls), not the main loop",
     )
+    parser.add_argument(
+        "--max-token-lag", type=int,
+        help="leave out of the loss each token generated more than this many policy versions "
+        "behind the trainer (per token: a turn cut by a weight switch keeps its newer tokens)",
+    )  # fmt: skip
     args = parser.parse_args()
     config = RecipeConfig(
         batch_size=args.batch_size, token_budget=args.token_budget, pack=args.pack,
         prefetch=args.prefetch, checkpoint_every=args.checkpoint_every,
         learner=LearnerConfig(device=args.device, attention=args.attention,
-                              micro_token_budget=args.micro_token_budget),
+                              micro_token_budget=args.micro_token_budget,
+                              loss=LossConfig(max_token_lag=args.max_token_lag)),
     )  # fmt: skip
 
     def show(m: dict[str, float]) -> None:

@@ -132,7 +132,7 @@ def check_rewards(entries: Sequence[IndexEntry]) -> None:
 def _sample(
     entry: IndexEntry, arrays: Arrays, advantage: float, selection: Selection
 ) -> ReplaySample:
-    tokens, mask, logprobs = arrays
+    tokens, mask, logprobs, versions = arrays
     assert entry.reward is not None
     return ReplaySample(
         entry.sample_id,
@@ -143,6 +143,8 @@ def _sample(
         float(entry.reward),
         advantage,
         *selection.versions(entry.policy_version_min),
+        token_versions=versions,
+        token_staleness=lag.token_staleness(versions, selection.current_policy_version),
     )
 
 
@@ -276,7 +278,9 @@ class _LiveState:
 
 
 def _entry(row: asyncpg.Record) -> tuple[IndexEntry, Arrays]:
-    tokens, mask, logprobs = decode_arrays(row["token_ids"], row["loss_mask"], row["logprobs"])
+    tokens, mask, logprobs, versions = decode_arrays(
+        row["token_ids"], row["loss_mask"], row["logprobs"], row["version_spans"]
+    )
     entry = IndexEntry(
         row["sample_id"],
         row["session_id"],
@@ -285,7 +289,7 @@ def _entry(row: asyncpg.Record) -> tuple[IndexEntry, Arrays]:
         int(tokens.shape[0]),
         row["policy_version_min"],
     )
-    return entry, (tokens, mask, logprobs)
+    return entry, (tokens, mask, logprobs, versions)
 
 
 def _release_groups(state: _LiveState, group_size: int | None) -> None:
