@@ -12,6 +12,8 @@
     GET  /sessions/{id}/v1/models
     GET  /health, /metrics
     GET  /admin/engines, POST /admin/engines/policy-version
+    GET | POST /admin/switches, POST /admin/switches/{id}/live | failed
+                                                    weight switches without a drain
     GET | PUT | DELETE /admin/runs/{run_id}/limits  a run's limits on this replica (admission)
     WS   /engines/connect                           an engine's relay dials in (`proxy.relay`)
 
@@ -44,6 +46,7 @@ from trajstore.proxy.admission import Admission, RateLimit
 from trajstore.proxy.auth import admin_key_is_valid, require_orchestrator_key, require_session_key
 from trajstore.proxy.engines import EnginePool
 from trajstore.proxy.errors import (
+    Conflict,
     NotFound,
     Overloaded,
     ProxyError,
@@ -61,6 +64,7 @@ from trajstore.proxy.replicas import connection_name, new_replica_id
 from trajstore.proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
 from trajstore.proxy.settings import ProxySettings
 from trajstore.proxy.tracing import start_tracing
+from trajstore.proxy.switching import SwitchConflict, UnknownSwitch
 from trajstore.proxy.transport import TransportError
 from trajstore.store import EventStore, StoreError
 from trajstore.store.collector import fewer_collections
@@ -294,7 +298,67 @@ class PolicyVersion(BaseModel):
     engine: str | None = None  # all engines when omitted
 
 
+class SwitchBegin(BaseModel):
+    """`POST /admin/switches`: engines are about to load the weights of policy `version`."""
+
+    version: str = Field(min_length=1)
+    engines: list[str] | None = None  #: their URLs; all engines when omitted
+    checkpoint: str | None = None  #: where the weights are, for the record
+
+
+class SwitchFailed(BaseModel):
+    """`POST /admin/switches/{id}/failed`: the weights did not load."""
+
+    reason: str = Field(min_length=1)
+
+
+def _add_switch_routes(app: FastAPI) -> None:
+    """Weight switches without a drain (`proxy.switching`): began, live, failed."""
+
+    @app.get("/admin/switches")
+    async def list_switches(state: State, authorization: Authorization = None) -> list[Any]:
+        _require_admin(state, authorization)
+        return state.forwarder.switches.describe()
+
+    @app.post("/admin/switches", status_code=201)
+    async def begin_switch(
+        body: SwitchBegin, state: State, authorization: Authorization = None
+    ) -> dict[str, Any]:
+        _require_admin(state, authorization)
+        try:
+            switch = await state.forwarder.switches.begin(
+                body.version, body.engines, body.checkpoint, state.settings.switch_cut_timeout
+            )
+        except KeyError as exc:
+            raise NotFound(f"no engine {exc}; see GET /admin/engines") from None
+        except SwitchConflict as exc:
+            raise Conflict(str(exc)) from None
+        return switch.describe()
+
+    @app.post("/admin/switches/{switch_id}/live")
+    async def switch_live(
+        switch_id: str, state: State, authorization: Authorization = None
+    ) -> dict[str, Any]:
+        _require_admin(state, authorization)
+        try:
+            return (await state.forwarder.switches.live(switch_id)).describe()
+        except UnknownSwitch as exc:
+            raise NotFound(str(exc)) from None
+
+    @app.post("/admin/switches/{switch_id}/failed")
+    async def switch_failed(
+        switch_id: str, body: SwitchFailed, state: State, authorization: Authorization = None
+    ) -> dict[str, Any]:
+        _require_admin(state, authorization)
+        try:
+            return (await state.forwarder.switches.failed(switch_id, body.reason)).describe()
+        except UnknownSwitch as exc:
+            raise NotFound(str(exc)) from None
+
+
 def _add_routes(app: FastAPI) -> None:
+    _add_switch_routes(app)
+
     @app.post("/sessions", status_code=201, response_model=SessionCreated)
     async def create_session(
         body: CreateSession, state: State, response: Response, authorization: Authorization = None

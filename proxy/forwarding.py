@@ -41,6 +41,7 @@ from trajstore.proxy.sessions import Session
 from trajstore.proxy.settings import ProxySettings
 from trajstore.proxy.streaming import JsonAnswer, RelayResponse, StreamRelay, Write
 from trajstore.proxy.tracing import TurnTracer
+from trajstore.proxy.switching import Generation, Stitcher, VersionSwitches, continuation_body
 from trajstore.proxy.transport import Answer, AnswerBroken, EngineUnreachable, TransportError
 from trajstore.proxy.wire import (
     ENGINE_PATHS,
@@ -88,6 +89,8 @@ class Forwarder:
         self.settings = settings
         self.metrics = metrics
         self.turn_in_log = turn_in_log
+        #: Weight switches of the engines: turns in flight cut and continued (`proxy.switching`).
+        self.switches = VersionSwitches(engines, writer, hold_timeout=settings.switch_hold_timeout)
         # The turns of each session, by lineage: a prompt can be stored as a reference plus new
         # tokens, and continued from the ids of the turn it continues (proxy.lineages).
         self.contexts = PromptContexts(settings.context_bytes)
@@ -143,6 +146,9 @@ class Forwarder:
         """Record the request as sent to `engine`, send it, answer the agent; raise
         `_EngineLost` (recorded) when the engine is lost before the agent got anything."""
         api, session, body, chat, asked = call.api, call.session, call.body, call.chat, call.asked
+        # A request to an engine that is switching weights waits for the new ones, so that it is
+        # recorded with the version that generates it (`proxy.switching`).
+        held = await self.switches.ready(engine)
         request_id = new_request_id()
         reply = Reply(asked, call.translation, body, request_id, dropped_header(call.dropped))
         recorder = RequestRecorder(
@@ -180,30 +186,89 @@ class Forwarder:
         except BadEvent as exc:
             raise BadRequest(f"the request cannot be recorded: {exc}") from None
         await recorder.emit(received)
+        if not held:
+            message = "the engine's weight switch outlasted the hold; retry shortly"
+            await recorder.failed("switch_timeout", message, 503)
+            self._count(api, 503)
+            raise Overloaded(message, retry_after=2.0)
         self.metrics.requests_started.labels(api=api).inc()
         engine_api: Api = "completions" if api == "completions" else "chat"
         if engine_api == "chat":
             recorder.plan = await self._plan(engine, session.session_id, chat, recorder)
-        payload = orjson.dumps(
-            engine_body(engine_api, chat, recorder.plan.token_ids),
-            option=orjson.OPT_SERIALIZE_NUMPY,
-        )
-        stream = bool(chat.get("stream"))
+        sent = engine_body(engine_api, chat, recorder.plan.token_ids)
+        segment = await self._send(call, engine, sent, recorder)
+        if bool(chat.get("stream")):
+            return await self._stream(call, segment, recorder, reply, sent)
+        return await self._complete(api, segment, recorder, reply, call, sent)
+
+    async def _send(
+        self,
+        call: _Call,
+        engine: Engine,
+        body: dict[str, Any],
+        recorder: RequestRecorder,
+        *,
+        resuming: bool = False,
+    ) -> _Segment:
+        """Send one engine request of the turn, on the version `engine` serves when it goes
+        (after any switch it is in); recorded failures raise as `_engine_failure` says."""
+        while self.switches.switching(engine) is not None:
+            await self.switches.ready(engine)  # a continuation, or a plan that took a while
+        # No await from the check to here: a switch that begins after it sees this request.
+        continuable = int(body.get("n") or 1) == 1 and not body.get("echo")
+        generation = self.switches.register(engine, continuable=continuable)
+        recorder.generating_on(engine.policy_version)
         release = self.engines.acquire(engine)
+        payload = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         try:
             answer = await engine.connection().send(
-                "POST", ENGINE_PATHS[api], payload, call.headers,
-                timeout=self.settings.request_timeout, stream=stream,
+                "POST", ENGINE_PATHS[call.api], payload, call.headers,
+                timeout=self.settings.request_timeout, stream=bool(body.get("stream")),
             )  # fmt: skip
         except BaseException as exc:
             release()
-            raise await self._engine_failure(api, engine, recorder, exc) from None
-        if stream:
-            return await self._stream(api, engine, answer, release, recorder, reply)
-        try:
-            return await self._complete(api, engine, answer, recorder, reply)
-        finally:
-            release()
+            self.switches.unregister(generation)
+            if resuming and isinstance(exc, EngineUnreachable):
+                self.engines.mark_failed(engine, str(exc))  # another engine may continue it
+                raise _EngineLost(EngineFailed(f"the engine at {engine.url}: {exc}")) from None
+            raise await self._engine_failure(call.api, engine, recorder, exc) from None
+        generation.close = answer.close
+        if generation.cut.is_set():
+            generation.cut_now()  # the switch began while the request was on its way
+        return _Segment(engine, answer, generation, release, self.switches.unregister)
+
+    async def _resume(
+        self, call: _Call, cut: _Segment, recorder: RequestRecorder, body: dict[str, Any]
+    ) -> _Segment | None:
+        """Continue a turn that a switch cut, on the version its engine serves once the switch
+        ended (another engine's, when its own is lost); None when nothing is left to generate."""
+        switch = self.switches.switching(cut.engine)
+        if switch is not None:
+            await self.switches.resumed(switch, self.settings.request_timeout)
+        prompt = recorder.prompt_ids
+        engine_api = "completions" if call.api == "completions" else "chat"
+        if prompt is None:
+            resumed: dict[str, Any] | None = body  # no token came back: the request again, whole
+        else:
+            resumed = continuation_body(engine_api, body, prompt, recorder.generated(0))
+        if resumed is None:
+            return None
+        tried = [cut.engine]
+        engine = cut.engine
+        while True:
+            try:
+                return await self._send(call, engine, resumed, recorder, resuming=True)
+            except _EngineLost as lost:
+                try:
+                    if len(tried) >= _ATTEMPTS:
+                        raise NoHealthyEngine(str(lost.error)) from None
+                    engine = self.engines.choose(call.session.session_id, exclude=tried)
+                except NoHealthyEngine:
+                    await recorder.failed("engine_unreachable", f"no engine continues it: {lost}")
+                    self._count(call.api, 502)
+                    raise lost.error from None
+                tried.append(engine)
+                log.info("%s; continuing the turn on %s", lost.error, engine.url)
 
     async def count_tokens(self, session: Session, raw: bytes) -> Answered:
         """Anthropic's `count_tokens`: the prompt a Messages request would be, counted by the
@@ -238,16 +303,28 @@ class Forwarder:
     async def _complete(
         self,
         api: Api,
-        engine: Engine,
-        answer: Answer,
+        segment: _Segment,
         recorder: RequestRecorder,
         reply: Reply,
+        call: _Call,
+        body: dict[str, Any],
     ) -> Answered:
-        try:
-            status, raw = answer.status, await answer.read()
-        except BaseException as exc:
-            answer.close()
-            raise await self._engine_failure(api, engine, recorder, exc) from None
+        while True:
+            try:
+                status, raw = segment.answer.status, await segment.answer.read()
+            except BaseException as exc:
+                segment.close()
+                if not segment.generation.was_cut or isinstance(exc, asyncio.CancelledError):
+                    raise await self._engine_failure(api, segment.engine, recorder, exc) from None
+            else:
+                segment.close()
+                if not segment.generation.was_cut:
+                    break
+            # A switch cut it before its answer came: nothing reached the agent, nothing was
+            # recorded, so the whole request goes again on the new version.
+            resumed = await self._resume(call, segment, recorder, body)
+            assert resumed is not None  # no token came back: something is left
+            segment = resumed
         if status != 200:
             return await self._engine_refusal(api, recorder, status, raw, reply)
         try:
@@ -266,23 +343,24 @@ class Forwarder:
 
     async def _stream(
         self,
-        api: Api,
-        engine: Engine,
-        answer: Answer,
-        release: Callable[[], None],
+        call: _Call,
+        segment: _Segment,
         recorder: RequestRecorder,
         reply: Reply,
+        body: dict[str, Any],
     ) -> Answered:
-        if answer.status != 200:
+        api = call.api
+        if segment.answer.status != 200:
             try:
-                raw = await answer.read()
+                raw = await segment.answer.read()
             except BaseException as exc:
-                answer.close()
-                raise await self._engine_failure(api, engine, recorder, exc) from None
+                segment.answer.close()
+                raise await self._engine_failure(api, segment.engine, recorder, exc) from None
             finally:
-                release()
-            return await self._engine_refusal(api, recorder, answer.status, raw, reply)
+                segment.close()
+            return await self._engine_refusal(api, recorder, segment.answer.status, raw, reply)
 
+        current = [segment]  # the engine request now streaming (a switch may continue it)
         closed = False
 
         async def close() -> None:
@@ -290,64 +368,81 @@ class Forwarder:
             if closed:
                 return
             closed = True
-            answer.close()  # the engine stops generating (vLLM aborts when its client leaves)
-            release()
+            current[0].answer.close()  # the engine stops generating (vLLM aborts: client left)
+            current[0].close()
             if not recorder.ended:
                 await recorder.failed("client_disconnected", "the agent left before the stream")
 
-        relay = functools.partial(self._relay, api, engine, answer, recorder, reply)
+        relay = functools.partial(self._relay, call, current, recorder, reply, body)
         return RelayResponse(relay, on_close=close, headers=reply.headers)
 
     async def _relay(
         self,
-        api: Api,
-        engine: Engine,
-        answer: Answer,
+        call: _Call,
+        current: list[_Segment],
         recorder: RequestRecorder,
         reply: Reply,
+        body: dict[str, Any],
         write: Write,
     ) -> None:
         # Events are relayed as they arrive, but everything that arrived in one read is parsed,
         # recorded and written to the agent at once (`proxy.streaming`).
+        api = call.api
         translation = reply.translation
         translator = (
             None if translation is None else translation.stream(reply.body, reply.request_id)
         )
         relay = StreamRelay(api, recorder, reply.asked, translator)
-        try:
-            async for data in answer.chunks():
-                out = relay.read(data)
-                await recorder.drain()
-                if relay.engine_error is not None:
-                    await recorder.failed("engine_error", relay.engine_error)
-                    relay.engine_error = None
-                if out:
-                    await write(out)
-                if relay.done:
-                    break
-        except asyncio.CancelledError:
-            await recorder.failed("client_disconnected", "the agent closed the connection")
-            self._count(api, 499)
-            raise
-        except (AnswerBroken, TimeoutError, orjson.JSONDecodeError) as exc:
-            reason = "engine_timeout" if isinstance(exc, TimeoutError) else "engine_error"
-            message = f"the engine stream broke off: {type(exc).__name__}: {exc}"
-            if isinstance(exc, AnswerBroken):
-                # The connection broke (an engine killed mid-stream): the session's next
-                # requests go elsewhere unless the engine still answers its health check.
-                self.engines.suspect(engine, message)
-            await recorder.failed(reason, message)
-            self._count(api, 502)
-            await write(relay.error(EngineFailed(message)))
-            return
-        except Exception as exc:
-            # A bug of ours, mid-stream: the status line is sent, so the agent learns of it in
-            # the stream, and the log keeps the failure instead of a silently cut response.
-            log.exception("relaying a stream failed")
-            await recorder.failed("proxy_error", f"{type(exc).__name__}: {exc}")
-            self._count(api, 500)
-            await write(relay.error(from_bug(exc)))
-            return
+        stitcher: Stitcher | None = None
+        while True:
+            segment = current[0]
+            relay.generation = segment.generation
+            try:
+                async for data in segment.answer.chunks():
+                    out = relay.read(data if stitcher is None else stitcher.feed(data))
+                    await recorder.drain()
+                    if relay.engine_error is not None:
+                        await recorder.failed("engine_error", relay.engine_error)
+                        relay.engine_error = None
+                    if out:
+                        await write(out)
+                    if relay.done:
+                        break
+                    if segment.generation.should_cut():
+                        segment.generation.cut_now()
+                        break
+            except asyncio.CancelledError:
+                await recorder.failed("client_disconnected", "the agent closed the connection")
+                self._count(api, 499)
+                raise
+            except (AnswerBroken, TimeoutError, orjson.JSONDecodeError) as exc:
+                if not segment.generation.was_cut:
+                    await self._broke_off(api, segment.engine, recorder, relay, write, exc)
+                    return
+            except Exception as exc:
+                # A bug of ours, mid-stream: the status line is sent, so the agent learns of it
+                # in the stream, and the log keeps the failure instead of a silently cut one.
+                log.exception("relaying a stream failed")
+                await recorder.failed("proxy_error", f"{type(exc).__name__}: {exc}")
+                self._count(api, 500)
+                await write(relay.error(from_bug(exc)))
+                return
+            segment.close()
+            if relay.done or not segment.generation.was_cut:
+                break
+            # A weight switch cut it: the rest comes from the new version, in the same answer.
+            stitcher = Stitcher(relay.first_chunk, len(recorder.prompt_ids or ()),
+                                recorder.tokens_of(0))  # fmt: skip
+            try:
+                resumed = await self._resume(call, segment, recorder, body)
+            except (ProxyError, TimeoutError) as exc:
+                await self._broke_off(api, segment.engine, recorder, relay, write, exc)
+                return
+            if resumed is None:  # cut at its last token: the turn is whole
+                relay.done = True
+                await write(relay.read(b"data: [DONE]\n\n"))
+                break
+            current[0] = resumed
         if relay.done and not recorder.ended:
             await recorder.finished(relay.usage)
             self._observe(api, recorder, relay.usage)
@@ -356,6 +451,27 @@ class Forwarder:
             self._count(api, 502)
             failure = EngineFailed("the engine closed the stream before it was complete")
             await write(relay.error(failure))
+
+    async def _broke_off(
+        self,
+        api: Api,
+        engine: Engine,
+        recorder: RequestRecorder,
+        relay: StreamRelay,
+        write: Write,
+        exc: BaseException,
+    ) -> None:
+        """The engine's stream broke off (or could not be continued after a switch): record
+        it, and end the agent's stream with an error event."""
+        reason = "engine_timeout" if isinstance(exc, TimeoutError) else "engine_error"
+        message = f"the engine stream broke off: {type(exc).__name__}: {exc}"
+        if isinstance(exc, AnswerBroken):
+            # The connection broke (an engine killed mid-stream): the session's next
+            # requests go elsewhere unless the engine still answers its health check.
+            self.engines.suspect(engine, message)
+        await recorder.failed(reason, message)
+        self._count(api, 502)
+        await write(relay.error(EngineFailed(message)))
 
     # -- continuation ---------------------------------------------------------------------------
 
@@ -462,6 +578,23 @@ class _EngineLost(Exception):
     def __init__(self, error: ProxyError) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+@dataclass
+class _Segment:
+    """One engine request of a turn: the first, or a continuation after a weight switch."""
+
+    engine: Engine
+    answer: Answer
+    generation: Generation
+    release: Callable[[], None]
+    unregister: Callable[[Generation], None]
+
+    def close(self) -> None:
+        """It is over: the engine's slot and the switch's watch are released (again: no-op)."""
+        self.release()
+        self.generation.close = None
+        self.unregister(self.generation)
 
 
 @dataclass

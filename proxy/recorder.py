@@ -24,7 +24,7 @@ from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, referenced, referenc
 from trajstore.proxy.lineages import Ending, SessionTurns, Turn, messages_key, render_key
 from trajstore.proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
 from trajstore.store import BadEvent, EventType, EventWriter, NewEvent, request_stream
-from trajstore.store.payloads import Payload, dump
+from trajstore.store.payloads import Payload, VersionSpan, dump
 from trajstore.store.payloads_request import (
     CompletionChunk,
     CompletionFinished,
@@ -36,7 +36,7 @@ from trajstore.store.payloads_request import (
     RequestFailed,
     RequestReceived,
 )
-from trajstore.store.tokens import TOKEN_DTYPE, encode_token_ids, shared_prefix
+from trajstore.store.tokens import TOKEN_DTYPE, decode_token_ids, encode_token_ids, shared_prefix
 
 #: A prompt is stored as a reference to an earlier turn of the session when it shares at least
 #: this many leading tokens with it (the prompt_tokens contract in `store.sessions`).
@@ -110,7 +110,7 @@ class RequestRecorder:
         finish_reason_in_api: Callable[[str | None, Any], str | None] | None = None,
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
         image_token_id: int | None = None,
-        on_ended: Callable[[RequestRecorder, dict[str, Any]], None] | None = None,
+        on_ended: Callable[[RequestRecorder, CompletionFinished | RequestFailed], None] | None = None,
     ) -> None:
         """`turns`: the session's turns this replica remembers, which this turn's prompt and
         messages may reference (`proxy.lineages`); `on_completed`: told this turn as a `Turn`
@@ -156,6 +156,9 @@ class RequestRecorder:
         self._images = self.turns.images
         self.on_ended = on_ended
         self.response_model: str | None = None  #: the model the engine says answered
+        #: (version, first token) of each engine request of the turn, in order: one, unless a
+        #: weight switch cut it and it went on (`proxy.switching`).
+        self._versions: list[tuple[str, int]] = []
 
     def received_event(
         self,
@@ -264,6 +267,44 @@ class RequestRecorder:
                 return MessagesPrefix(request_id=turn.request_id, n_messages=turn.n_messages)
         return None
 
+    def generating_on(self, version: str) -> None:
+        """The tokens recorded from now on come from policy `version` (an engine request of
+        this turn begins; a continuation after a switch begins a new span)."""
+        at = self.tokens_of(0)
+        if self._versions and self._versions[-1][1] == at:
+            self._versions.pop()  # the request before generated nothing
+        if not self._versions or self._versions[-1][0] != version:
+            self._versions.append((version, at))  # the same version goes on in one span
+
+    def tokens_of(self, index: int) -> int:
+        """How many tokens choice `index` has received so far."""
+        buffer = self._choices.get(index)
+        return 0 if buffer is None else buffer.n_tokens
+
+    def generated(self, index: int = 0) -> list[int]:
+        """The ids choice `index` has received so far, in order."""
+        packed = b"".join(self._completions.get(index, ()))
+        recorded = decode_token_ids(packed) if packed else None
+        buffer = self._choices.get(index)
+        held = buffer.token_ids if buffer else []
+        return ([] if recorded is None else recorded.tolist()) + held
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        """The prompt the engine echoed, once it did."""
+        prompt = decode_token_ids(self._prompt) if self._prompt else None
+        return None if prompt is None else prompt.tolist()
+
+    def version_spans(self, index: int) -> list[VersionSpan]:
+        """Which version generated which of choice `index`'s tokens, as stored."""
+        n = self.tokens_of(index)
+        versions = self._versions if index == 0 else self._versions[:1]  # n > 1 is never cut
+        spans = []
+        for i, (version, start) in enumerate(versions):
+            end = versions[i + 1][1] if i + 1 < len(versions) else n
+            spans.append(VersionSpan(version=version, start=start, end=end))
+        return spans
+
     async def emit(self, event: NewEvent) -> None:
         """Queue one event of this request's stream."""
         self.version += 1
@@ -306,6 +347,7 @@ class RequestRecorder:
                 "stop_reason": buffer.stop_reason,
                 "message": buffer.message or self._streamed_message(buffer),
                 "n_tokens": buffer.n_tokens,
+                "version_spans": self.version_spans(index),
             }
             if self.finish_reason_in_api is not None:
                 ending = self.finish_reason_in_api(buffer.finish_reason, buffer.stop_reason)
@@ -325,7 +367,7 @@ class RequestRecorder:
         if self.on_completed is not None and self._prompt is not None and whole:
             self.on_completed(self._as_turn(choices), self._extended(), self.plan.turn)
         if self.on_ended is not None:
-            self.on_ended(self, payload)
+            self.on_ended(self, finished)
 
     def _as_turn(self, finished: list[FinishedChoice]) -> Turn:
         endings = tuple(
@@ -368,11 +410,14 @@ class RequestRecorder:
             message=message,
             latency_s=time.monotonic() - self.started,
             partial_tokens={str(i): b.n_tokens for i, b in sorted(self._choices.items())},
+            version_spans={str(i): self.version_spans(i) for i in self._choices}
+            if self._versions
+            else None,
         )
         await self.emit(self._event(failure))
         self.ended = True
         if self.on_ended is not None:
-            self.on_ended(self, payload)
+            self.on_ended(self, failure)
 
     @property
     def prompt_tokens(self) -> int | None:

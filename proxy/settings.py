@@ -61,6 +61,17 @@ class ProxySettings(BaseSettings):
         default=600.0, description="Seconds an engine may take (between stream chunks)."
     )
     max_in_flight: int = Field(default=256, description="Requests per engine before fallback.")
+    switch_hold_timeout: float = Field(
+        default=120.0,
+        gt=0,
+        description="Seconds a new request waits for its engine's weight switch to end before "
+        "it is refused with 503 (`proxy.switching`).",
+    )
+    switch_cut_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds a switch waits for its engines' requests in flight to be cut.",
+    )
     chunk_tokens: int = Field(
         default=16, description="Streamed tokens coalesced into one completion_chunk event."
     )

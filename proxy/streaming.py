@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 from trajstore.proxy.apis import StreamTranslation
 from trajstore.proxy.errors import EngineFailed, ProxyError
 from trajstore.proxy.recorder import RequestRecorder
+from trajstore.proxy.switching import Generation, clean_point
 from trajstore.proxy.wire import Api, Asked, extract_stream
 
 #: Writes a piece of the answer's body to the agent.
@@ -129,6 +130,9 @@ class StreamRelay:
         self.done = False
         self.engine_error: str | None = None  # an error event the engine sent mid-stream
         self._pending = b""  # an event cut by the end of a read
+        #: The engine request being relayed, kept told where a weight switch may cut it.
+        self.generation: Generation | None = None
+        self.first_chunk: dict[str, Any] | None = None  #: the answer's first event (its id)
 
     def read(self, data: bytes) -> bytes:
         """The bytes to send the agent for what one read brought (b"" for none yet).
@@ -159,6 +163,14 @@ class StreamRelay:
         chunks = orjson.loads(b"[" + b",".join(payloads) + b"]")
         extracted = extract_stream(self.api, chunks)
         self.recorder.record(extracted)
+        if self.first_chunk is None:
+            self.first_chunk = {k: chunks[0].get(k) for k in ("id", "created") if k in chunks[0]}
+        if (generation := self.generation) is not None:
+            generation.clean = clean_point(self.api, chunks, generation.clean)
+            generation.tokens = self.recorder.tokens_of(0)
+            generation.finishing = generation.finishing or any(
+                c.finish_reason for c in extracted.choices if c.index == 0
+            )
         self.usage = extracted.usage or self.usage
         if self.translator is not None:
             return b"".join([self._translated(chunk) for chunk in chunks])

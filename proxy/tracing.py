@@ -49,6 +49,7 @@ from urllib.parse import quote
 import orjson
 
 from trajstore.proxy.errors import TracingUnavailable
+from trajstore.store.payloads_request import CompletionFinished, FinishedChoice, RequestFailed
 
 if TYPE_CHECKING:  # the SDK loads only when tracing is on: the proxy runs without it
     from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
@@ -68,7 +69,7 @@ SHUTDOWN_SECONDS = 5.0
 
 #: What a recorder calls when its turn ended: the recorder and its last event's payload
 #: (`completion_finished` or `request_failed`).
-TurnEnded = Callable[["RequestRecorder", dict[str, Any]], None]
+TurnEnded = Callable[["RequestRecorder", "CompletionFinished | RequestFailed"], None]
 
 
 def trace_id_of(session_id: str) -> int:
@@ -200,7 +201,7 @@ class TurnTracer:
         if session.group_id is not None:
             attributes["trajstore.group.id"] = session.group_id
 
-        def ended(recorder: RequestRecorder, payload: dict[str, Any]) -> None:
+        def ended(recorder: RequestRecorder, payload: CompletionFinished | RequestFailed) -> None:
             try:
                 self._turn_span(name, attributes, parent, recorder, payload)
             except Exception:  # a span is never worth a turn: the recording goes on
@@ -214,11 +215,11 @@ class TurnTracer:
         static: dict[str, Any],
         parent: Any,
         recorder: RequestRecorder,
-        payload: dict[str, Any],
+        payload: CompletionFinished | RequestFailed,
     ) -> None:
         end = time.time_ns()
         trace_id = parent.trace_id
-        start = end - int(payload["latency_s"] * 1e9)
+        start = end - int((payload.latency_s or 0.0) * 1e9)
         session_id, request_id = recorder.session_id, recorder.request_id
         attributes = {**static, "trajstore.request.id": request_id}
         if recorder.response_model is not None:
@@ -236,18 +237,20 @@ class TurnTracer:
             links = (self._link(self._context(trace_id, span_id_of(extends), remote=True)),)
         if recorder.plan.source:
             attributes["trajstore.prompt.source"] = recorder.plan.source
-        failure = payload.get("reason")
-        choices = payload.get("choices") or ()
+        choices: list[FinishedChoice] = []
         status = self._unset
-        if failure is None:
+        ttft = None
+        if isinstance(payload, CompletionFinished):
+            choices = payload.choices
+            ttft = payload.ttft_s
             attributes["gen_ai.response.finish_reasons"] = tuple(
-                c["finish_reason"] or "" for c in choices
+                c.finish_reason or "" for c in choices
             )
         else:
+            failure = payload.reason or "failed"
             attributes["error.type"] = failure
-            status = self._status(self._error, str(payload.get("message") or failure))
+            status = self._status(self._error, payload.message or failure)
         events: tuple[Any, ...] = ()
-        ttft = payload.get("ttft_s")
         if ttft is not None:
             attributes["trajstore.time_to_first_token_s"] = ttft
             events = (self._event("gen_ai.first_token", timestamp=start + int(ttft * 1e9)),)
@@ -345,12 +348,12 @@ _REQUEST_FIELDS = (
 )
 
 
-def _content(recorder: RequestRecorder, choices: Any) -> dict[str, str]:
+def _content(recorder: RequestRecorder, choices: list[FinishedChoice]) -> dict[str, str]:
     """The call's messages and replies, as the GenAI conventions' JSON attributes."""
     found: dict[str, str] = {}
     if recorder.messages_json:
         found["gen_ai.input.messages"] = recorder.messages_json.decode()
-    replies = [c.get("message") for c in choices if c.get("message") is not None]
+    replies = [c.message for c in choices if c.message is not None]
     if replies:
         found["gen_ai.output.messages"] = orjson.dumps(replies).decode()
     return found

@@ -57,7 +57,11 @@ class EventType(StrEnum):
     REWARD_ASSIGNED = "reward_assigned"
     SESSION_FINISHED = "session_finished"
     SESSION_DISCARDED = "session_discarded"
-    POLICY_VERSION_SET = "policy_version_set"
+    POLICY_VERSION_SET = "policy_version_set"  #: declared, never written: see POLICY_SWITCH_*
+    #: A weight switch of engines (`proxy.switching`): began, went live, or failed to load.
+    POLICY_SWITCH_BEGAN = "policy_switch_began"
+    POLICY_SWITCH_LIVE = "policy_switch_live"
+    POLICY_SWITCH_FAILED = "policy_switch_failed"
     TRAINING_STEP = "training_step"
     IMAGE_RECORDED = "image_recorded"
 
@@ -100,6 +104,11 @@ _RAND_B = (1 << 62) - 1
 def request_stream(request_id: str) -> str:
     """The stream of one model request: written by the single replica that serves it."""
     return f"request-{request_id}"
+
+
+def switch_stream(switch_id: str) -> str:
+    """The stream of one weight switch (began, then live or failed), by the replica running it."""
+    return f"switch-{switch_id}"
 
 
 def session_stream(session_id: str) -> str:

@@ -161,3 +161,78 @@ def upcast(event_type: str, raw: Mapping[str, Any]) -> dict[str, Any]:
     if event_type not in PAYLOADS:
         return dict(raw)
     return dump(load(event_type, raw))
+
+
+# -- policy versions over a turn's tokens, and the switches that change them (issue 44) ----------
+
+
+class VersionSpan(BaseModel):
+    """Which policy version generated a run of a choice's tokens: `[start, end)` over its
+    generated tokens, in order. A turn switched mid-generation has several (`proxy.switching`)."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    version: str
+    start: int
+    end: int
+
+
+def version_spans(choice: Mapping[str, Any]) -> list[VersionSpan] | None:
+    """The `version_spans` of one choice of a completion_finished payload (written since issue
+    44; None for older turns, whose one version is their request's)."""
+    return _spans(choice.get("version_spans"))
+
+
+def failed_version_spans(raw: Mapping[str, Any]) -> dict[int, list[VersionSpan]]:
+    """A request_failed payload's `version_spans`: choice -> the spans of its partial tokens."""
+    spans = raw.get("version_spans")
+    if not isinstance(spans, Mapping):
+        return {}
+    return {int(index): _spans(value) or [] for index, value in spans.items()}
+
+
+def _spans(spans: Any) -> list[VersionSpan] | None:
+    if not isinstance(spans, list):
+        return None
+    try:
+        return [VersionSpan.model_validate(span) for span in spans]
+    except ValidationError as exc:
+        raise BadEvent(f"version_spans do not match their schema: {exc}") from exc
+
+
+class _Switch(Payload):
+    """What every event of one weight switch says."""
+
+    switch_id: str
+    version: str  #: the policy version going live
+    engines: list[str]  #: the engines switching (their URLs)
+    checkpoint: str | None = None  #: where the weights are (a path or URI), when told
+    began_at: float  #: the proxy's clock when the switch began
+
+
+@payload_type
+class PolicySwitchBegan(_Switch):
+    """Engines begin to load new weights: their turns in flight are cut where the proxy
+    received them, and their new requests are held until the switch ends."""
+
+    event_type: ClassVar[str] = "policy_switch_began"
+    interrupted: int = 0  #: turns in flight cut at the switch, to continue on the new version
+
+
+@payload_type
+class PolicySwitchLive(_Switch):
+    """The new weights serve: every token generated on these engines from now on is `version`'s."""
+
+    event_type: ClassVar[str] = "policy_switch_live"
+    live_at: float
+    previous: dict[str, str] = {}  #: engine URL -> the version it served before
+
+
+@payload_type
+class PolicySwitchFailed(_Switch):
+    """The switch was given up (the weights failed to load, or no word came in time): the
+    engines serve the version they served before, and what was held goes on there."""
+
+    event_type: ClassVar[str] = "policy_switch_failed"
+    failed_at: float
+    reason: str

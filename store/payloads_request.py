@@ -14,7 +14,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trajstore.store.payloads import VERSION_KEY, Payload, dump, load, payload_type, upcaster
+from trajstore.store.payloads import (
+    VERSION_KEY,
+    Payload,
+    VersionSpan,
+    dump,
+    load,
+    payload_type,
+    upcaster,
+)
 
 
 class Part(BaseModel):
@@ -192,6 +200,10 @@ class FinishedChoice(Part):
     n_tokens: int | None = None
     #: The finish reason in the agent's API, when translated to chat (`proxy.apis`).
     api_finish_reason: str | None = None
+    #: Which policy version generated which of its tokens, in order (written since the
+    #: weight switch without a drain; None for older turns, whose one version is their
+    #: request's `policy_version`).
+    version_spans: list[VersionSpan] | None = None
 
 
 @payload_type
@@ -219,4 +231,6 @@ class RequestFailed(Payload):
     message: str | None = None
     latency_s: float | None = None
     partial_tokens: dict[str, int] | None = None  #: tokens recorded, by choice
+    #: choice -> which policy version generated its partial tokens (see `FinishedChoice`).
+    version_spans: dict[str, list[VersionSpan]] | None = None
     nul_replaced: bool | None = None

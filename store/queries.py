@@ -228,7 +228,7 @@ SAMPLE_COLUMNS = (
     "logprobs", "prompt_len", "response_len", "n_turns", "tool_turns", "policy_versions",
     "engines", "divergence", "last_position", "tags", "request_ids", "created_at",
     "finished_at", "policy_version_min", "policy_version_max", "images", "lineage", "role",
-    "parent", "fork_at",
+    "parent", "fork_at", "version_spans",
 )  # fmt: skip
 
 #: The version readers are served; FOR SHARE so a rebuild's switch waits for batches in flight.

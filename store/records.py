@@ -40,6 +40,9 @@ class ChoiceRecord:
     stop_reason: Any = None
     message: dict[str, Any] | None = None
     api_finish_reason: str | None = None  #: in the agent's API's taxonomy, when translated
+    #: Which policy version generated which tokens, [{version, start, end}] in order; None when
+    #: recorded before spans were (then the turn's `policy_version` generated all of them).
+    version_spans: list[dict[str, Any]] | None = None
 
     def as_json(self) -> dict[str, Any]:
         """A JSON-able view."""
@@ -52,6 +55,7 @@ class ChoiceRecord:
             "stop_reason": self.stop_reason,
             "message": self.message,
             "api_finish_reason": self.api_finish_reason,
+            "version_spans": self.version_spans,
         }
 
 

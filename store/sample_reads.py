@@ -110,13 +110,13 @@ ORDER BY sample_id
 
 #: The arrays of the given samples, in one projection version.
 READ_ARRAYS = """
-SELECT sample_id, token_ids, loss_mask, logprobs FROM samples
+SELECT sample_id, token_ids, loss_mask, logprobs, version_spans FROM samples
 WHERE projection_version = $1 AND sample_id = ANY($2::uuid[])
 """
 
 #: The given samples in the served projection version (the ledger rebuilds a step from these).
 READ_SERVED_SAMPLES = f"""
-SELECT sample_id, session_id, group_id, reward, token_ids, loss_mask, logprobs,
+SELECT sample_id, session_id, group_id, reward, token_ids, loss_mask, logprobs, version_spans,
        policy_version_min, projection_version
 FROM samples
 WHERE projection_version = {SERVED_SAMPLES_VERSION}
@@ -133,7 +133,7 @@ WHERE projection_version = {SERVED_SAMPLES_VERSION}
 # Samples in the order their projector committed them, never past the oldest transaction still
 # in flight: the same rule as the event log's READ_ALL, so a slow commit is never skipped.
 TAIL = """
-SELECT sample_id, session_id, group_id, reward, token_ids, loss_mask, logprobs,
+SELECT sample_id, session_id, group_id, reward, token_ids, loss_mask, logprobs, version_spans,
        policy_version_min, projected_tx, projected_seq
 FROM samples
 WHERE {where}
@@ -146,7 +146,8 @@ LIMIT ${limit}
 #: The selected samples, one row each, in sample id order (a TRL dataset's rows).
 SELECT_DATASET = """
 SELECT sample_id, session_id, run_id, task_id, group_id, lineage, role, branch, is_final, status,
-       finish_reason, reward, policy_version_min, prompt_len, token_ids, loss_mask, logprobs
+       finish_reason, reward, policy_version_min, prompt_len, token_ids, loss_mask, logprobs,
+       version_spans
 FROM samples
 WHERE {where}
 ORDER BY sample_id

@@ -116,6 +116,10 @@ class Sample:
     response_len: int = 0  #: tokens the model generated in this sample (loss mask 1)
     #: Its images, in order: {sha256, source, url, media_type, start, end, reason} (the module).
     images: list[dict[str, Any]] = field(default_factory=list)
+    #: Which policy version generated which of its tokens: [{version, start, end}] over
+    #: `token_ids`, the generated tokens only, in order (a turn cut by a weight switch adds two
+    #: or more; a turn recorded before spans existed one, its request's `policy_version`).
+    version_spans: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
@@ -201,22 +205,55 @@ class Sample:
             # None given, or those of a grammar-masked distribution (see
             # TurnRecord.constrained_by): no behaviour logprobs. The tokens stay, mask 1.
             logprobs = _NAN * n
+        at = self.n_tokens
         self.token_bytes += ids
         self._runs.append((n, logprobs))
         self.response_len += n
         self.finish_reason = choice.finish_reason
         if choice.message and choice.message.get("tool_calls"):
             self.tool_turns += 1  # the model called a tool (as `turns.n_tool_calls` counts)
-        for value, seen in (
-            (turn.policy_version, self.policy_versions),
-            (turn.engine, self.engines),
-        ):
-            if value is not None and value not in seen:
-                seen.append(value)
+        spans = choice.version_spans
+        if spans is None and turn.policy_version is not None:
+            spans = [{"version": turn.policy_version, "start": 0, "end": n}]
+        for span in spans or ():
+            self._add_span(str(span["version"]), at + int(span["start"]), at + int(span["end"]))
+        if turn.engine is not None and turn.engine not in self.engines:
+            self.engines.append(turn.engine)
+
+    def _add_span(self, version: str, start: int, end: int) -> None:
+        if end <= start:
+            return
+        if version not in self.policy_versions:
+            self.policy_versions.append(version)
+        last = self.version_spans[-1] if self.version_spans else None
+        if last is not None and last["version"] == version and last["end"] == start:
+            last["end"] = end  # the next turn goes on with the same version: one span
+        else:
+            self.version_spans.append({"version": version, "start": start, "end": end})
+
+    def version_array(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Each token's policy version as an integer, aligned with `token_ids`: -1 for tokens
+        not generated (prompt, glue) and for versions that are not integers."""
+        return token_versions(self.n_tokens, self.version_spans)
 
     def _add_glue(self, tokens: bytes) -> None:
         self.token_bytes += tokens
         self._runs.append((len(tokens) // _ID, None))
+
+
+def token_versions(
+    n_tokens: int, spans: list[dict[str, Any]] | None
+) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Per-token integer policy versions (int64, -1 where none) of a sample of `n_tokens`
+    tokens from its `version_spans`."""
+    out = np.full(n_tokens, -1, dtype=np.int64)
+    for span in spans or ():
+        try:
+            version = int(span["version"])
+        except (TypeError, ValueError):
+            continue
+        out[int(span["start"]) : int(span["end"])] = version
+    return out
 
 
 def sample_id(session_id: str, lineage: int, branch: int, alternative: str = "") -> uuid.UUID:

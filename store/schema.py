@@ -34,7 +34,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP, UUID
 from sqlalchemy.dialects.postgresql.base import ischema_names
 from sqlalchemy.types import UserDefinedType
 
-from trajstore.store import keys, queries, roles, views
+from trajstore.store import keys, queries, roles, version_views, views
 
 #: The channel live subscribers LISTEN on. Notifications carry no payload: they are a wake-up.
 NOTIFY_CHANNEL = "trajstore_events"
@@ -182,6 +182,9 @@ samples = Table(
     Column("role", Text, nullable=False, server_default=text("'main'")),
     Column("parent", Integer),
     Column("fork_at", Integer),
+    # Which policy version generated which tokens: [{version, start, end}] over token_ids, the
+    # generated tokens only (`store.samples`); NULL for rows projected before spans existed.
+    Column("version_spans", JSONB),
     # Live readers (the trainer) tail rows in (projected_tx, projected_seq) order below the
     # horizon, exactly as readers of the log do (see queries.READ_ALL).
     Column("projected_tx", XID8, nullable=False, server_default=text("pg_current_xact_id()")),
@@ -305,6 +308,10 @@ event.listen(metadata, "after_create", _ddl(COMPRESSION_DDL))
 # The views and the reader role come after every table (they read events and samples).
 for _sql in views.CREATE:
     event.listen(metadata, "after_create", _ddl(_sql))
+for _sql in version_views.CREATE:
+    event.listen(metadata, "after_create", _ddl(_sql))
+for _sql in version_views.DROP:
+    event.listen(metadata, "before_drop", _ddl(_sql))
 for _sql in views.DROP:
     event.listen(metadata, "before_drop", _ddl(_sql))
 # The processes' roles (store.roles): granted last, dropped first.

@@ -221,12 +221,17 @@ def rebuild_session(
                     choice.stop_reason = ending.stop_reason
                     choice.message = ending.message
                     choice.api_finish_reason = ending.api_finish_reason
+                    if ending.version_spans is not None:
+                        choice.version_spans = [span.model_dump() for span in ending.version_spans]
         elif kind == _FAILED:
             if stream in turns:
                 turn = turns[stream]
                 turn.status = "failed"
                 turn.failure = RequestFailed.read(event.payload)
                 turn.latency_s = turn.failure.latency_s
+                for choice_index, spans in (turn.failure.version_spans or {}).items():
+                    partial = turn.choice(int(choice_index))
+                    partial.version_spans = [span.model_dump() for span in spans]
         elif kind == _CREATED:
             created = SessionCreated.read(event.payload)
             session.run_id = event.run_id

@@ -9,21 +9,29 @@ import uuid
 from collections.abc import Sequence
 
 import numpy as np
+import orjson
 
 from trajstore.store import sample_reads
+from trajstore.store.samples import token_versions
 from trajstore.store.tokens import decode_logprobs, decode_token_ids
 from trajstore.trainer.errors import SampleGone
 
-#: A sample's token ids (int32), loss mask (uint8) and behaviour logprobs (float32).
-Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
+#: A sample's token ids (int32), loss mask (uint8), behaviour logprobs (float32), and the policy
+#: version that generated each token (int32, -1 for prompt and glue, or unknown).
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
-def decode_arrays(token_ids: bytes, loss_mask: bytes, logprobs: bytes) -> Arrays:
-    """The stored bytes as numpy views (`store.tokens`), the loss mask as uint8."""
+def decode_arrays(
+    token_ids: bytes, loss_mask: bytes, logprobs: bytes, version_spans: bytes | None = None
+) -> Arrays:
+    """The stored bytes as numpy views (`store.tokens`), the loss mask as uint8, and the
+    per-token versions from the sample's `version_spans` (stored JSON; None: all -1)."""
     tokens = decode_token_ids(token_ids)
     probs = decode_logprobs(logprobs)
     assert tokens is not None and probs is not None
-    return tokens, np.frombuffer(loss_mask, dtype=np.uint8), probs
+    spans = orjson.loads(version_spans) if version_spans else None
+    versions = token_versions(int(tokens.shape[0]), spans).astype(np.int32)
+    return tokens, np.frombuffer(loss_mask, dtype=np.uint8), probs, versions
 
 
 async def read_arrays(

@@ -15,6 +15,9 @@ is `[rows, length]`, token by token, so a trainer can split it into micro-batche
     advantages      float32  the sample's advantage, on each of its tokens
     policy_version  int32    the oldest policy version of the sample's turns (-1: unknown)
     staleness       int32    current policy version - policy_version (-1: unknown)
+    token_version   int32    the policy version that generated the token (-1: not generated, or
+                             unknown): a turn cut by a weight switch has two or more
+    token_staleness int32    current policy version - token_version (-1: unknown)
 
 and one non-tensor entry, `samples`: a list with one dict per sample, in row order (sample_id,
 session_id, row, reward, advantage, policy_version, staleness, n_tokens, checksum). It belongs to
@@ -59,6 +62,9 @@ class ReplaySample(NamedTuple):
     advantage: float
     policy_version: int  #: -1 when unknown
     staleness: int  #: -1 when unknown
+    #: Per token: the version that generated it, and the current version minus it (-1: unknown).
+    token_versions: npt.NDArray[np.int32] | None = None
+    token_staleness: npt.NDArray[np.int32] | None = None
 
     @property
     def checksum(self) -> int:
@@ -177,6 +183,8 @@ FIELDS: tuple[tuple[str, type[np.generic], int], ...] = (
     ("advantages", np.float32, 0),
     ("policy_version", np.int32, -1),
     ("staleness", np.int32, -1),
+    ("token_version", np.int32, -1),
+    ("token_staleness", np.int32, -1),
     ("segment_ids", np.int32, 0),
     ("attention_mask", np.bool_, 0),
     ("loss_mask", np.bool_, 0),
@@ -239,6 +247,10 @@ def collate(rows: Sequence[Sequence[ReplaySample]]) -> TensorDict:
             advantages[r, span] = sample.advantage
             policy_version[r, span] = sample.policy_version
             staleness[r, span] = sample.staleness
+            if sample.token_versions is not None:
+                a["token_version"][r, span] = sample.token_versions
+            if sample.token_staleness is not None:
+                a["token_staleness"][r, span] = sample.token_staleness
             described.append(sample.describe(r))
             at += n
     np.greater(a["segment_ids"], 0, out=a["attention_mask"])

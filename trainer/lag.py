@@ -16,9 +16,20 @@ import logging
 import uuid
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from trajstore.trainer.selection import Selection
 
 log = logging.getLogger(__name__)
+
+
+def token_staleness(versions: npt.NDArray[np.int32], current: int | None) -> npt.NDArray[np.int32]:
+    """Per token: how many versions behind `current` the weights that generated it are (-1
+    where unknown: a token not generated, a version that is no integer, no current version)."""
+    if current is None:
+        return np.full_like(versions, -1)
+    return np.where(versions >= 0, current - versions, -1).astype(np.int32)
 
 
 def at_version(selection: Selection, version: int) -> Selection:

@@ -43,6 +43,7 @@ from trajstore.trainer.errors import (
     StepNotFound,
     TrainerError,
 )
+from trajstore.trainer.lag import token_staleness
 from trajstore.trainer.replay import open_store
 
 
@@ -123,14 +124,22 @@ async def rebuild_step(store: EventStore, training_run: str, step: int) -> Tenso
     rows_of_batch: list[list[ReplaySample]] = []
     for entry, sample_id in zip(entries, ids, strict=True):
         row = rows[sample_id]
+        tokens, mask, logprobs, versions = decode_arrays(
+            row["token_ids"], row["loss_mask"], row["logprobs"], row["version_spans"]
+        )
+        current = entry.policy_version + entry.staleness
         sample = ReplaySample(
             sample_id,
             entry.session_id,
-            *decode_arrays(row["token_ids"], row["loss_mask"], row["logprobs"]),
+            tokens,
+            mask,
+            logprobs,
             reward=entry.reward,
             advantage=entry.advantage,
             policy_version=entry.policy_version,
             staleness=entry.staleness,
+            token_versions=versions,
+            token_staleness=token_staleness(versions, current if entry.staleness >= 0 else None),
         )
         if sample.checksum != entry.checksum:
             raise SampleChanged(

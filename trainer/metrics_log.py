@@ -34,6 +34,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from trajstore.store import EventStore
+from trajstore.store.payloads_session import TrainingStep
 from trajstore.trainer.errors import TrainerError
 from trajstore.trainer.ledger import training_stream
 
@@ -174,13 +175,13 @@ async def export_ledger(store: EventStore, training_run: str, metrics_log: Metri
     if not events:
         raise TrainerError(f"no training run {training_run!r} in the ledger")
     for event in events:
-        metrics_log.step(event.stream_version, event.payload.get("metrics") or {})
+        metrics_log.step(event.stream_version, TrainingStep.read(event.payload).metrics)
     return len(events)
 
 
-def ledger_run_ids(payload: Mapping[str, Any]) -> list[str]:
+def ledger_run_ids(step: TrainingStep) -> list[str]:
     """The trajectories' run ids a recorded step names (its replay selection's), if any."""
-    selection = (payload.get("replay") or {}).get("selection") or {}
+    selection = step.replay.get("selection") or {}
     return [str(run) for run in selection.get("runs") or ()]
 
 

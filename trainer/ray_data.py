@@ -70,7 +70,7 @@ def _read_block(block: dict[str, np.ndarray], url: str, version: int) -> dict[st
     found = asyncio.run(_read_arrays(url, version, ids))  # SampleGone when one left meanwhile
     out: dict[str, Any] = {name: block[name] for name in ("sample_id", *_INDEX_COLUMNS)}
     # Object columns of 1-D arrays of varying length: Ray keeps them as variable-shaped tensors.
-    for k, name in enumerate(("token_ids", "loss_mask", "logprobs")):
+    for k, name in enumerate(("token_ids", "loss_mask", "logprobs", "token_versions")):
         out[name] = _column([found[i][k] for i in ids])
     return out
 

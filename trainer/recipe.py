@@ -40,6 +40,7 @@ from trajstore.trainer.collate import Layout, sample_ids
 from trajstore.trainer.errors import BadSelection, TrainerError
 from trajstore.trainer.learner import Learner, LearnerConfig
 from trajstore.trainer.ledger import read_step, record_step, training_stream
+from trajstore.trainer.loss import LossConfig
 from trajstore.trainer.metrics_log import (
     TENSORBOARD_DIR_ENV,
     WANDB_PROJECT_ENV,
@@ -251,6 +252,11 @@ def main() -> None:
         help=f"report to this W&B project too; WANDB_MODE=offline works without a network "
         f"(env {WANDB_PROJECT_ENV})",
     )
+    parser.add_argument(
+        "--max-token-lag", type=int,
+        help="leave out of the loss each token generated more than this many policy versions "
+        "behind the trainer (per token: a turn cut by a weight switch keeps its newer tokens)",
+    )  # fmt: skip
     args = parser.parse_args()
     config = RecipeConfig(
         batch_size=args.batch_size, token_budget=args.token_budget, pack=args.pack,
@@ -258,7 +264,8 @@ def main() -> None:
         max_sample_tokens=args.max_sample_tokens,
         learner=LearnerConfig(device=args.device, attention=args.attention,
                               micro_token_budget=args.micro_token_budget, logprobs=args.logprobs,
-                              gradient_checkpointing=args.gradient_checkpointing),
+                              gradient_checkpointing=args.gradient_checkpointing,
+                              loss=LossConfig(max_token_lag=args.max_token_lag)),
     )  # fmt: skip
 
     def show(m: dict[str, float]) -> None:

@@ -143,7 +143,7 @@ def skipped_entry(entry: IndexEntry, max_sample_tokens: int) -> dict[str, Any]:
 def _sample(
     entry: IndexEntry, arrays: Arrays, advantage: float, selection: Selection
 ) -> ReplaySample:
-    tokens, mask, logprobs = arrays
+    tokens, mask, logprobs, versions = arrays
     assert entry.reward is not None
     return ReplaySample(
         entry.sample_id,
@@ -154,6 +154,8 @@ def _sample(
         float(entry.reward),
         advantage,
         *selection.versions(entry.policy_version_min),
+        token_versions=versions,
+        token_staleness=lag.token_staleness(versions, selection.current_policy_version),
     )
 
 
@@ -311,7 +313,9 @@ class _LiveState:
 
 
 def _entry(row: asyncpg.Record) -> tuple[IndexEntry, Arrays]:
-    tokens, mask, logprobs = decode_arrays(row["token_ids"], row["loss_mask"], row["logprobs"])
+    tokens, mask, logprobs, versions = decode_arrays(
+        row["token_ids"], row["loss_mask"], row["logprobs"], row["version_spans"]
+    )
     entry = IndexEntry(
         row["sample_id"],
         row["session_id"],
@@ -320,7 +324,7 @@ def _entry(row: asyncpg.Record) -> tuple[IndexEntry, Arrays]:
         int(tokens.shape[0]),
         row["policy_version_min"],
     )
-    return entry, (tokens, mask, logprobs)
+    return entry, (tokens, mask, logprobs, versions)
 
 
 def _release_groups(state: _LiveState, group_size: int | None) -> None:
@@ -391,8 +395,8 @@ async def replay_live(
             await _reload_pending(store, start.pending, state)
         idle_since = loop.time()
         while True:
-            after = (state.tx, state.seq)
-            rows = await sample_reads.read_tail(store, selection, after, read_limit)
+            since = (state.tx, state.seq)
+            rows = await sample_reads.read_tail(store, selection, since, read_limit)
             for row in rows:
                 state.tx, state.seq = int(row["projected_tx"]), int(row["projected_seq"])
                 entry, arrays = _entry(row)

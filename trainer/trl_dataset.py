@@ -21,6 +21,7 @@ import numpy as np
 from trajstore.store import EventStore, sample_reads
 from trajstore.store.tokens import decode_logprobs, decode_token_ids
 from trajstore.trainer.advantages import group_advantages
+from trajstore.trainer.arrays import decode_arrays
 from trajstore.trainer.selection import Selection
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ DATASET_COLUMNS = (
     "sample_id", "session_id", "run_id", "task_id", "group_id", "lineage", "role", "branch",
     "is_final", "status", "finish_reason", "reward", "advantage", "policy_version_min",
     "prompt_len", "input_ids",
-    "completion_mask", "logprobs",
+    "completion_mask", "logprobs", "token_versions",
 )  # fmt: skip
 
 
@@ -62,6 +63,10 @@ async def read_samples_table(source: str | EventStore, selection: Selection | No
     tokens = [np.asarray(decode_token_ids(r["token_ids"]), np.int32) for r in rows]
     masks = [np.frombuffer(r["loss_mask"], dtype=np.uint8) for r in rows]
     logprobs = [np.asarray(decode_logprobs(r["logprobs"]), np.float32) for r in rows]
+    versions = [
+        decode_arrays(r["token_ids"], r["loss_mask"], r["logprobs"], r["version_spans"])[3]
+        for r in rows
+    ]
     columns: dict[str, Any] = {
         "sample_id": pa.array([str(r["sample_id"]) for r in rows], pa.string()),
         "session_id": pa.array([r["session_id"] for r in rows], pa.string()),
@@ -81,6 +86,7 @@ async def read_samples_table(source: str | EventStore, selection: Selection | No
         "input_ids": lists(tokens, np.int32),
         "completion_mask": lists(masks, np.int8),
         "logprobs": lists(logprobs, np.float32),
+        "token_versions": lists(versions, np.int32),
     }
     return pa.table({name: columns[name] for name in DATASET_COLUMNS})
 
@@ -95,7 +101,8 @@ def samples_dataset(database_url: str, selection: Selection | None = None) -> Da
     `Selection(rollouts=True)` every lineage of a session is a row and they share it),
     `prompt_len` (tokens before the first generated one), and the token arrays: `input_ids`
     (int32), `completion_mask` (int8, the loss mask: 1 where the model generated the token) and
-    `logprobs` (float32, the behaviour logprobs; 0.0 where the mask is 0). `input_ids` and
+    `logprobs` (float32, the behaviour logprobs; 0.0 where the mask is 0), `token_versions`
+    (int32, the policy version that generated each token; -1 where none). `input_ids` and
     `completion_mask` are the columns TRL's `SFTTrainer` reads from a pre-tokenised
     dataset (with `completion_only_loss=True`).
 

@@ -142,6 +142,8 @@ class VerlRow:
     policy_version: int  #: -1: unknown
     staleness: int  #: -1: unknown
     advantage: float = 0.0  #: the GRPO advantage of the row's rollout (its session)
+    #: The policy version that generated each of the sample's tokens (-1: prompt, glue, unknown)
+    token_versions: Any = None
 
 
 def collate_verl(
@@ -217,6 +219,10 @@ def collate_verl(
         "session_id": np.array([r.session_id for r in rows], dtype=object),
         "policy_version": np.array([r.policy_version for r in rows], dtype=np.int64),
         "staleness": np.array([r.staleness for r in rows], dtype=np.int64),
+        # Per row, aligned with the sample's own tokens (prompt then response, unpadded).
+        "token_versions": _objects(
+            [None if r.token_versions is None else r.token_versions.tolist() for r in rows]
+        ),
     }
     info = dict(meta_info or {})
     trajstore = dict(info.get("trajstore") or {})
@@ -226,17 +232,18 @@ def collate_verl(
 
 
 def _row(
-    entry: IndexEntry, arrays: tuple[Any, Any, Any], selection: Selection, advantage: float
+    entry: IndexEntry, arrays: tuple[Any, Any, Any, Any], selection: Selection, advantage: float
 ) -> VerlRow:
     assert entry.reward is not None
     return VerlRow(
-        split_sample(*arrays),
+        split_sample(*arrays[:3]),
         float(entry.reward),
         entry.group_id if entry.group_id is not None else entry.session_id,
         str(entry.sample_id),
         entry.session_id,
         *selection.versions(entry.policy_version_min),
         advantage,
+        arrays[3],
     )
 
 
@@ -290,3 +297,11 @@ async def verl_batch(
     async for batch in verl_batches(source, selection, batch_size=None, **options):
         return batch
     return None
+
+
+def _objects(values: Sequence[Any]) -> np.ndarray:
+    """An object array of per-row lists (their lengths differ), as verl's non-tensors hold."""
+    out = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        out[i] = value
+    return out

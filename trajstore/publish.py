@@ -1,12 +1,22 @@
 """Publishing a policy: the trained weights into a running vLLM, and the new version to the proxy.
 
     save      the weights (safetensors) into `<publish_dir>/v<N>`
-    pause     `POST /pause?mode=wait`: the engine finishes what it is generating, holds new work
-    reload    `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": ...}}`:
-              every worker loads the new weights in place (no restart, no new KV cache)
-    version   the proxy's `POST /admin/engines/policy-version {"version": "N"}`: every turn it
-              records from now on carries version N
-    resume    `POST /resume`
+    begin     the proxy's `POST /admin/switches {"version": "N", "engines": [...], "checkpoint"}`:
+              it cuts the turns in flight on the engine where it received them and holds new
+              requests (`proxy.switching`); it answers once the engine generates nothing of ours
+    reload    `POST /pause?mode=keep` (anything not the proxy's is frozen, not drained), then
+              `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": ...}}`:
+              every worker loads the new weights in place (no restart, no new KV cache), then
+              `POST /resume`
+    live      `POST /admin/switches/{id}/live`: the cut turns continue token-in on version N,
+              stitched into the answers their agents are reading, and the held requests go;
+              or, when the reload failed, `POST /admin/switches/{id}/failed`: they go on, on the
+              version before
+
+No turn in flight is waited for: a publish costs the reload, however long the agents' turns.
+`Publisher(drain=True)` publishes as before (`POST /pause?mode=wait`: the engine first finishes
+every turn in flight; the version told to the proxy afterwards), the baseline of
+`benchmarks/publish.py`.
 
 Why a full weight reload rather than runtime LoRA adapters: the trainer trains every weight (a
 LoRA adapter would need a PEFT model on the trainer side and LoRA kernels on the engine's, and
@@ -20,10 +30,10 @@ mix new embeddings with the old output layer. `untied_copy` writes the model wit
 `lm_head` (the same values), which reloads exactly: vLLM's logprobs after a reload equal
 transformers' on the published weights to ~1e-6 (measured, and tested in `tests/test_live.py`).
 
-Staleness is never understated: a request the proxy receives while the engine is paused is
-recorded with the old version but generated with the new weights (its lag overstated by one);
-every other turn carries the version that generated it. The recorded behaviour logprobs are
-the engine's own either way, so the importance weights are exact.
+Attribution is exact: every token is recorded with the version whose weights produced it, as
+spans over each turn's tokens (`store.payloads.VersionSpan`), a turn cut by the switch with two.
+With `drain=True`, a request the proxy receives while the engine is paused is recorded with the
+old version but generated with the new weights (its lag overstated by one).
 """
 
 from __future__ import annotations
@@ -66,11 +76,13 @@ class Publisher:
         *,
         admin_key: str | None = None,
         keep: int = 2,
+        drain: bool = False,
     ) -> None:
         self.engine_url = engine_url.rstrip("/")
         self.proxy_url = proxy_url.rstrip("/")
         self.publish_dir = publish_dir
         self.keep = keep  #: published versions kept on disk (the engine reads the newest)
+        self.drain = drain  #: publish by draining the engine first (the old way, a baseline)
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.http = httpx.AsyncClient(timeout=120, headers=headers)
 
@@ -89,26 +101,38 @@ class Publisher:
         path = self.publish_dir / f"v{version}"
         # In a thread: the proxy may share this event loop, and its agents must not stall.
         await asyncio.to_thread(model.save_pretrained, path)
-        await self._post(f"{self.engine_url}/pause", params={"mode": "wait"})
-        try:
-            await self._post(
-                f"{self.engine_url}/collective_rpc",
-                json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
-            )
-            await self.set_version(version)
-        finally:
-            await self._post(f"{self.engine_url}/resume")
+        await self.load(path, version)
         self._prune(version)
         return path
 
+    async def load(self, model_dir: Path, version: int) -> None:
+        """Load the weights in `model_dir` into the engine as policy `version`."""
+        if self.drain:
+            await self._drain_and_load(model_dir, version)
+            return
+        began = await self._post(
+            f"{self.proxy_url}/admin/switches",
+            json={"version": str(version), "engines": [self.engine_url],
+                  "checkpoint": str(model_dir)},
+        )  # fmt: skip
+        switch = f"{self.proxy_url}/admin/switches/{began.json()['switch_id']}"
+        try:
+            await self._reload(model_dir, mode="keep")
+        except BaseException as exc:
+            # The proxy lets what it held go on, on the version the engine still serves.
+            reason = f"{type(exc).__name__}: {exc}"[:500]
+            await self._post(f"{switch}/failed", json={"reason": reason})
+            raise
+        await self._post(f"{switch}/live")
+
     async def set_version(self, version: int) -> None:
-        """Tell the proxy that its engines now serve policy `version`."""
+        """Tell the proxy that its engines now serve policy `version` (the drain's way)."""
         await self._post(
             f"{self.proxy_url}/admin/engines/policy-version", json={"version": str(version)}
         )
 
-    async def load(self, model_dir: Path, version: int) -> None:
-        """Load the weights in `model_dir` into the engine as policy `version` (a reset)."""
+    async def _drain_and_load(self, model_dir: Path, version: int) -> None:
+        """Today's publish before switches: the engine finishes what it generates first."""
         await self._post(f"{self.engine_url}/pause", params={"mode": "wait"})
         try:
             await self._post(
@@ -116,6 +140,16 @@ class Publisher:
                 json={"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}},
             )
             await self.set_version(version)
+        finally:
+            await self._post(f"{self.engine_url}/resume")
+
+    async def _reload(self, model_dir: Path, *, mode: str) -> None:
+        await self._post(f"{self.engine_url}/pause", params={"mode": mode})
+        try:
+            await self._post(
+                f"{self.engine_url}/collective_rpc",
+                json={"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}},
+            )
         finally:
             await self._post(f"{self.engine_url}/resume")
 

@@ -24,6 +24,14 @@ Tokenisation is fake but keeps the property the recorder relies on:
 - ``detokenize=True``: ``POST /detokenize`` answers ``{"model"?, "tokens": [...]}`` with
   ``{"prompt": text}``, as vLLM does, each id rendered by ``token_text``; without it, a 404.
 
+- ``versioned=True``: weights that change (a weight switch's tests). ``version`` is the policy
+  the engine serves, a number as text; ``POST /collective_rpc`` with ``reload_weights`` loads
+  the version its ``weights_path`` ends with (``.../v3``: "3"; ``fail_reload=True``: a 500),
+  ``/pause`` and ``/resume`` answer as vLLM's dev endpoints do. Every generated token's logprob
+  says which version wrote it to the stream (``version_logprob``, at the moment it is written,
+  as a real engine's weights produce each token then), so a test reads the truth back from the
+  record. A client leaving aborts the request (``handler_cancellation``), as vLLM does.
+
 So, as with vLLM, when the assistant reply is replayed unchanged turn k+1's prompt starts with
 turn k's prompt + completion ids: a reply cut by ``length`` is followed by the template's
 ``[2, 203]``, a reply ending with eos 2 by ``203``.
@@ -151,6 +159,11 @@ def _sse(obj: JSON) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def version_logprob(version: str) -> float:
+    """The logprob a versioned fake engine gives every token it generates on `version`."""
+    return -1.0 - int(version)
+
+
 def _logprob(tid: int, pos: int) -> float:
     # In [-5, 0), the same for the same token at the same position.
     return -5.0 + 5.0 * random.Random(tid * 7919 + pos).random()
@@ -242,8 +255,14 @@ class FakeEngine:
         detokenize: bool = False,
         max_model_len: int = MAX_MODEL_LEN,
         tool_policy: Callable[[JSON], JSON | None] | None = None,
+        versioned: bool = False,
+        fail_reload: bool = False,
     ) -> None:
         self.model_name = model_name
+        self.versioned = versioned
+        self.version = "0"
+        self.fail_reload = fail_reload
+        self.reloads: list[str] = []  # weights_path of each reload
         self.completion_tokens = completion_tokens  # caps max_tokens; below it the answer stops
         self.finish_with_eos = finish_with_eos
         self.token_delay = token_delay
@@ -284,6 +303,10 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions", partial(self._serve, api="chat"))
         app.router.add_post("/v1/completions", partial(self._serve, api="completions"))
         app.router.add_post("/tokenize", self._tokenize)
+        if self.versioned:
+            app.router.add_post("/collective_rpc", self._collective_rpc)
+            app.router.add_post("/pause", self._paused)
+            app.router.add_post("/resume", self._paused)
         if self.detokenize:
             app.router.add_post("/detokenize", self._detokenize)
         # Cancel handlers when the client leaves, as vLLM aborts the request.
@@ -336,6 +359,35 @@ class FakeEngine:
         answer = {"prompt": "".join(map(token_text, body["tokens"]))}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
+    async def _collective_rpc(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        path = str((body.get("kwargs") or {}).get("weights_path", ""))
+        self.reloads.append(path)
+        if self.fail_reload:
+            return _error(500, f"fake engine: cannot load {path}")
+        self.version = path.rstrip("/").rsplit("/v", 1)[-1]
+        return web.json_response({"results": [None]})
+
+    async def _paused(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    def _stamped(self, chunk: bytes) -> bytes:
+        """A stream chunk whose tokens' logprobs say the version serving now."""
+        if not chunk.startswith(b"data: {"):
+            return chunk
+        data = orjson.loads(chunk[6:])
+        value = version_logprob(self.version)
+        for choice in data.get("choices") or ():
+            logprobs = choice.get("logprobs")
+            if not logprobs or not choice.get("token_ids"):
+                continue
+            if "content" in logprobs:
+                for entry in logprobs["content"]:
+                    entry["logprob"] = value
+            else:
+                logprobs["token_logprobs"] = [value] * len(logprobs["token_logprobs"])
+        return _sse(data)
+
     async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
         body: JSON = orjson.loads(await request.read())
         self.requests.append(body)
@@ -360,7 +412,12 @@ class FakeEngine:
             if isinstance(payload, bytes):
                 payload = [payload]  # faults below treat a whole answer as one chunk
                 if fault not in ("stall-mid-stream", "drop-mid-stream"):
-                    return web.Response(body=payload[0], content_type="application/json")
+                    whole = payload[0]
+                    if self.versioned:  # generated in the time a stream takes, then stamped
+                        n = int(orjson.loads(whole)["usage"]["completion_tokens"])
+                        await asyncio.sleep(self.token_delay * n)
+                        whole = self._stamped(b"data: " + whole)[6:].strip()
+                    return web.Response(body=whole, content_type="application/json")
                 return await self._write(request, payload, fault, web.StreamResponse())
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
             return await self._write(request, payload, fault, resp)
@@ -384,7 +441,7 @@ class FakeEngine:
                     await asyncio.Event().wait()
                 if not resp.prepared:  # lazily, so a whole-answer fault precedes the headers
                     await resp.prepare(request)
-                await resp.write(chunk)
+                await resp.write(self._stamped(chunk) if self.versioned else chunk)
                 if self.token_delay:
                     await asyncio.sleep(self.token_delay)
             await resp.write_eof()

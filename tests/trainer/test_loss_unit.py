@@ -87,3 +87,15 @@ def test_token_logprobs_line_up_with_the_tokens_they_score() -> None:
 def test_bad_configs_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="must be"):
         LossConfig(**kwargs)
+
+
+def test_tokens_older_than_the_lag_leave_the_loss_per_token() -> None:
+    # One turn cut by a weight switch: its first two tokens by v3, the last two by v5; the
+    # trainer is at v5. With max_token_lag 1, only the v5 tokens are trained on.
+    b = batch([-1.0, -1.0, -1.0, -1.0], [4.0, 4.0, 1.0, 1.0])
+    b["token_staleness"] = torch.tensor([[2, 2, 0, 0]], dtype=torch.int32)
+    loss, metrics = policy_loss(b["logprobs"].clone(), b, config=LossConfig(max_token_lag=1))
+    assert loss.item() == pytest.approx(-1.0)  # the mean advantage of the last two tokens
+    assert metrics["tokens"] == 2.0 and metrics["stale_token_fraction"] == 0.5
+    everything, _ = policy_loss(b["logprobs"].clone(), b)
+    assert everything.item() == pytest.approx(-2.5)

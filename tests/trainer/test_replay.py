@@ -185,3 +185,19 @@ async def test_a_re_projected_sample_is_not_delivered_twice_unless_asked(
 def test_a_live_checkpoint_round_trips_through_json() -> None:
     checkpoint = LiveCheckpoint(7, 3, frozenset({"a", "b"}), ("c",))
     assert LiveCheckpoint.from_json(checkpoint.as_json()) == checkpoint
+
+
+async def test_batches_say_which_version_generated_each_token(store: EventStore) -> None:
+    # A turn cut by a weight switch: its first completion token by v3, the second by v4.
+    row = sample_row(prompt=(1, 2, 3), completion=(4, 5), policy_versions=(3, 4))
+    row["version_spans"] = [
+        {"version": "3", "start": 3, "end": 4},
+        {"version": "4", "start": 4, "end": 5},
+    ]
+    async with store.pool.acquire() as conn:
+        await insert_samples(conn, [row])
+    selection = Selection(current_policy_version=5)
+    [batch] = [b async for b in replay(store, selection, batch_size=1)]
+    assert batch["token_version"][0].tolist() == [-1, -1, -1, 3, 4]
+    assert batch["token_staleness"][0].tolist() == [-1, -1, -1, 2, 1]
+    assert batch["staleness"][0, 0].item() == 2  # the sample's oldest token, as before
