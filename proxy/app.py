@@ -63,8 +63,8 @@ from trajstore.proxy.relay_channel import accept_relay
 from trajstore.proxy.replicas import connection_name, new_replica_id
 from trajstore.proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
 from trajstore.proxy.settings import ProxySettings
-from trajstore.proxy.tracing import start_tracing
 from trajstore.proxy.switching import SwitchConflict, UnknownSwitch
+from trajstore.proxy.tracing import start_tracing
 from trajstore.proxy.transport import TransportError
 from trajstore.store import EventStore, StoreError
 from trajstore.store.collector import fewer_collections

@@ -40,8 +40,8 @@ from trajstore.proxy.recorder import RequestRecorder, new_request_id
 from trajstore.proxy.sessions import Session
 from trajstore.proxy.settings import ProxySettings
 from trajstore.proxy.streaming import JsonAnswer, RelayResponse, StreamRelay, Write
-from trajstore.proxy.tracing import TurnTracer
 from trajstore.proxy.switching import Generation, Stitcher, VersionSwitches, continuation_body
+from trajstore.proxy.tracing import TurnTracer
 from trajstore.proxy.transport import Answer, AnswerBroken, EngineUnreachable, TransportError
 from trajstore.proxy.wire import (
     ENGINE_PATHS,

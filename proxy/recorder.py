@@ -42,6 +42,9 @@ from trajstore.store.tokens import TOKEN_DTYPE, decode_token_ids, encode_token_i
 #: this many leading tokens with it (the prompt_tokens contract in `store.sessions`).
 MIN_SHARED_TOKENS = 16
 
+#: What ends a turn: its completion_finished or request_failed payload (`on_ended` gets it).
+TurnEnding = CompletionFinished | RequestFailed
+
 
 def _without_nul(value: Any) -> Any:
     if isinstance(value, str):
@@ -110,7 +113,8 @@ class RequestRecorder:
         finish_reason_in_api: Callable[[str | None, Any], str | None] | None = None,
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
         image_token_id: int | None = None,
-        on_ended: Callable[[RequestRecorder, CompletionFinished | RequestFailed], None] | None = None,
+        on_ended: Callable[[RequestRecorder, CompletionFinished | RequestFailed], None]
+        | None = None,
     ) -> None:
         """`turns`: the session's turns this replica remembers, which this turn's prompt and
         messages may reference (`proxy.lineages`); `on_completed`: told this turn as a `Turn`

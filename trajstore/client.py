@@ -305,7 +305,10 @@ class Session(_SessionBase):
 
     def record(self) -> SessionRecord:
         """The session rebuilt from the log (needs the client's `database_url`)."""
-        return asyncio.run(_with_store(self.client.database_url, self.session_id, samples=False))
+        record: SessionRecord = asyncio.run(
+            _with_store(self.client.database_url, self.session_id, samples=False)
+        )
+        return record
 
     def samples(self) -> list[Sample]:
         """The samples the projector makes of the session, built from the log now."""
