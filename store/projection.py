@@ -87,6 +87,7 @@ def sample_row(sample: Sample, last_position: int, version: int) -> tuple[Any, .
         sample.role,
         sample.parent,
         sample.fork_at,
+        *sample.side_columns(),
     )
 
 

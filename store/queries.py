@@ -26,7 +26,7 @@ FACT_TYPES = sql_literals(SESSION_FACTS)
 #: The columns of a `RecordedEvent`, in its order.
 EVENT_COLUMNS = (
     "position, tx_id, event_id, stream_id, stream_version, session_id, run_id, event_type, "
-    "recorded_at, payload, token_ids, logprobs"
+    "recorded_at, payload, token_ids, logprobs, side_data"
 )
 
 #: The columns a writer supplies; position, tx_id and recorded_at come from the database.
@@ -40,13 +40,14 @@ INSERT_COLUMNS = (
     "payload",
     "token_ids",
     "logprobs",
+    "side_data",
 )
 
 APPEND = f"""
 INSERT INTO events ({", ".join(INSERT_COLUMNS)})
 SELECT * FROM unnest(
     $1::uuid[], $2::text[], $3::int8[], $4::text[], $5::text[], $6::text[], $7::jsonb[],
-    $8::bytea[], $9::bytea[]
+    $8::bytea[], $9::bytea[], $10::bytea[]
 )
 RETURNING event_id, position
 """
@@ -156,7 +157,7 @@ def read_partition(name: str) -> str:
     prints), in log order: what an archive file holds."""
     return f"""
 SELECT position, tx_id, event_id, stream_id, stream_version, session_id, run_id, event_type,
-       recorded_at, payload::text, token_ids, logprobs
+       recorded_at, payload::text, token_ids, logprobs, side_data
 FROM {name} ORDER BY tx_id, position
 """
 
@@ -179,6 +180,14 @@ WHERE p.session_id IS NOT NULL
 ORDER BY 1
 """
 
+
+#: The derived facts of some samples (`store.side_data.sample_stream`: scores, failures), in
+#: log order, from each partition's unique index on (stream_id, stream_version).
+READ_SAMPLE_FACTS = f"""
+SELECT {EVENT_COLUMNS} FROM events
+WHERE stream_id = ANY($1::text[])
+ORDER BY tx_id, position
+"""
 
 SNAPSHOT_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())"
 
@@ -224,7 +233,7 @@ SAMPLE_COLUMNS = (
     "logprobs", "prompt_len", "response_len", "n_turns", "tool_turns", "policy_versions",
     "engines", "divergence", "last_position", "tags", "request_ids", "created_at",
     "finished_at", "policy_version_min", "policy_version_max", "images", "lineage", "role",
-    "parent", "fork_at",
+    "parent", "fork_at", "side", "side_data",
 )  # fmt: skip
 
 #: The version readers are served; FOR SHARE so a rebuild's switch waits for batches in flight.

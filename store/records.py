@@ -84,6 +84,8 @@ class TurnRecord:
     #: {request_id, n_tokens}: the prompt starts with that request's prompt + completion
     prompt_prefix: dict[str, Any] | None = None
     n_prompt_tokens: int | None = None  #: the whole prompt's length (None: not recorded yet)
+    #: Per-token arrays the engine returned with it (`store.side_data`): (payload, bytes).
+    side_data: list[tuple[Any, bytes | None]] = field(default_factory=list, repr=False)
     session: SessionRecord | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -107,12 +107,15 @@ async def test_migrations_produce_exactly_the_declared_schema(
     for name in CATALOG_QUERIES:
         assert migrated[name] == declared[name], name
     assert len(migrated["triggers"]) == 6
-    assert len(migrated["functions"]) == 4
+    assert len(migrated["functions"]) == 6  # and side data's two decoders
     assert migrated["partitions"] == [("events", "events_default")]
-    assert [view for view, _ in migrated["views"]] == ["trajectories", "turns"]
+    assert [view for view, _ in migrated["views"]] == [
+        "scoring_failures", "side_data", "trajectories", "turns"
+    ]  # fmt: skip
     grants = {(who, table, what) for who, table, what in migrated["grants"]}
     assert {(t, w) for who, t, w in grants if who == "trajstore_reader"} == {
-        ("samples", "SELECT"), ("trajectories", "SELECT"), ("turns", "SELECT")
+        ("samples", "SELECT"), ("trajectories", "SELECT"), ("turns", "SELECT"),
+        ("side_data", "SELECT"), ("scoring_failures", "SELECT"),
     }  # fmt: skip
     # The proxy's role reads and appends events (and reads the keys that guard their uniqueness)
     # and nothing else; the projector's reads events.
