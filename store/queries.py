@@ -189,6 +189,27 @@ WHERE stream_id = ANY($1::text[])
 ORDER BY tx_id, position
 """
 
+#: Samples of some runs ($1; NULL: every run) in the served projection with generated tokens and
+#: no `sample_scored` of kind $2 by source $3 yet, by id after $4, at most $5: a scorer's work
+#: list (`store.side_data.unscored_samples`). The NOT EXISTS probes the sample's stream.
+UNSCORED_SAMPLES = """
+SELECT s.sample_id, s.session_id, s.run_id, s.token_ids, s.loss_mask, s.logprobs
+FROM samples s
+WHERE s.projection_version
+      = coalesce((SELECT version FROM projection_serving WHERE name = 'samples'), 1)
+  AND ($1::text[] IS NULL OR s.run_id = ANY($1::text[]))
+  AND s.response_len > 0
+  AND s.sample_id > $4::uuid
+  AND NOT EXISTS (
+      SELECT FROM events e
+      WHERE e.stream_id = 'sample-' || s.sample_id::text
+        AND e.event_type = 'sample_scored'
+        AND e.payload ->> 'kind' = $2 AND e.payload ->> 'source' = $3
+  )
+ORDER BY s.sample_id
+LIMIT $5
+"""
+
 SNAPSHOT_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())"
 
 SNAPSHOT_XMAX = "SELECT pg_snapshot_xmax(pg_current_snapshot())"

@@ -301,3 +301,25 @@ def sample_arrays(
     for payload, data in facts.scores if facts else []:
         out.append(aligned_score(payload, data, token_bytes, loss_mask))
     return out
+
+
+#: The smallest sample id: where a scorer's walk over the samples starts.
+FIRST = uuid.UUID(int=0)
+
+
+async def unscored_samples(
+    conn: asyncpg.Connection,
+    runs: Sequence[str] | None,
+    *,
+    kind: str,
+    source: str,
+    after: uuid.UUID = FIRST,
+    limit: int = 256,
+) -> list[asyncpg.Record]:
+    """Samples (id, session, run, packed tokens, mask, behaviour logprobs) of `runs` (None:
+    all) that `source` has not scored for `kind`, by id after `after`: what a scorer does next.
+    A sample scored in the meantime is left out, so a restarted scorer scores nothing twice."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        queries.UNSCORED_SAMPLES, list(runs) if runs else None, kind, source, after, limit
+    )
+    return rows

@@ -18,6 +18,7 @@ main.lazy.update(
         "ui": "trajstore.viewer.cli:ui",
         "run": "trajstore.trials:run",
         "train": "trajstore.train_cli:train",
+        "score": "trajstore.teacher:score",
     }
 )
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,21 @@ def build_tiny_model(
         dtype="float32",
     )
     save_quietly(seeded_model(Qwen2ForCausalLM, config, seed), out_dir)
+    return out_dir
+
+
+def reweighted_copy(model_dir: Path, out_dir: Path, *, seed: int) -> Path:
+    """A copy of a generated model (tokenizer and config alike) with other random weights:
+    a second policy sharing the first one's tokenizer (a teacher for `trajstore.teacher`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in Path(model_dir).iterdir():
+        if path.is_file() and path.suffix != ".safetensors":
+            shutil.copy2(path, out_dir / path.name)
+    config = AutoConfig.from_pretrained(model_dir)
+    save_quietly(seeded_model(AutoModelForCausalLM.from_config, config, seed), out_dir)
     return out_dir
 
 
