@@ -15,6 +15,9 @@ is `[rows, length]`, token by token, so a trainer can split it into micro-batche
     advantages      float32  the sample's advantage, on each of its tokens
     policy_version  int32    the oldest policy version of the sample's turns (-1: unknown)
     staleness       int32    current policy version - policy_version (-1: unknown)
+    teacher_logprobs float32 a teacher's logprob of the token (`trainer.distill`; NaN where no
+                             teacher scored it, or none was asked for)
+    teacher_mask    bool     True where the model generated the token and a teacher scored it
 
 and one non-tensor entry, `samples`: a list with one dict per sample, in row order (sample_id,
 session_id, row, reward, advantage, policy_version, staleness, n_tokens, checksum). It belongs to
@@ -59,6 +62,8 @@ class ReplaySample(NamedTuple):
     advantage: float
     policy_version: int  #: -1 when unknown
     staleness: int  #: -1 when unknown
+    #: A teacher's logprobs aligned with token_ids (NaN where absent), when one was asked for.
+    teacher_logprobs: npt.NDArray[np.float32] | None = None
 
     @property
     def checksum(self) -> int:
@@ -162,7 +167,7 @@ class Layout:
 
 
 #: The batch's tensors: name, dtype and the value of padding, in the order they are laid out.
-FIELDS: tuple[tuple[str, type[np.generic], int], ...] = (
+FIELDS: tuple[tuple[str, type[np.generic], float], ...] = (
     ("input_ids", np.int64, 0),
     ("position_ids", np.int64, 0),
     ("logprobs", np.float32, 0),
@@ -173,6 +178,8 @@ FIELDS: tuple[tuple[str, type[np.generic], int], ...] = (
     ("segment_ids", np.int32, 0),
     ("attention_mask", np.bool_, 0),
     ("loss_mask", np.bool_, 0),
+    ("teacher_logprobs", np.float32, np.nan),
+    ("teacher_mask", np.bool_, 0),
 )
 
 
@@ -232,9 +239,12 @@ def collate(rows: Sequence[Sequence[ReplaySample]]) -> TensorDict:
             advantages[r, span] = sample.advantage
             policy_version[r, span] = sample.policy_version
             staleness[r, span] = sample.staleness
+            if sample.teacher_logprobs is not None:
+                a["teacher_logprobs"][r, span] = sample.teacher_logprobs
             described.append(sample.describe(r))
             at += n
     np.greater(a["segment_ids"], 0, out=a["attention_mask"])
+    np.logical_and(np.isfinite(a["teacher_logprobs"]), a["loss_mask"], out=a["teacher_mask"])
     batch = TensorDict(
         {name: torch.from_numpy(a[name]) for name, _, _ in FIELDS}, batch_size=[n_rows]
     )

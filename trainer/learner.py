@@ -26,6 +26,7 @@ from tensordict import TensorDict
 
 from trajstore.trainer import attention, microbatch
 from trajstore.trainer.device import autocast, default_autocast, resolve_device, to_device
+from trajstore.trainer.distill import DistillConfig, with_distillation
 from trajstore.trainer.errors import TrainerError
 from trajstore.trainer.loss import LossConfig, policy_loss, token_logprobs
 from trajstore.trainer.vision import MULTI_MODAL_INPUTS, VisionProcessor, model_inputs
@@ -47,6 +48,8 @@ class LearnerConfig:
     #: (what "TIS off" means in `benchmarks/learning.py`)
     importance_weights: bool = True
     loss: LossConfig = field(default_factory=LossConfig)
+    #: On-policy distillation from a teacher's logprobs (`trainer.distill`); None: GRPO alone.
+    distill: DistillConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -146,9 +149,13 @@ class Learner:
                 tensors = m.tensors
                 if not self.config.importance_weights:
                     tensors = _behaving_as(tensors, reference)
+                distilled: dict[str, float] = {}
+                if self.config.distill is not None:
+                    tensors, distilled = with_distillation(tensors, logprobs, self.config.distill)
                 loss, metrics = policy_loss(
                     logprobs, tensors, old_logprobs=reference, config=self.config.loss
                 )
+                metrics |= distilled
                 (loss * m.weight).backward()  # type: ignore[no-untyped-call]
                 loss_sum += loss.detach() * m.weight
                 _accumulate(totals, metrics, m.weight)
@@ -172,7 +179,7 @@ def _accumulate(totals: dict[str, float], metrics: dict[str, float], weight: flo
     for key, value in metrics.items():
         if key == "ratio_max":
             totals[key] = max(totals.get(key, value), value)
-        elif key == "tokens":
+        elif key in ("tokens", "teacher_tokens"):
             totals[key] = totals.get(key, 0.0) + value
         else:
             totals[key] = totals.get(key, 0.0) + value * weight

@@ -19,6 +19,7 @@ from trajstore.store import EventStore
 from trajstore.store.connection import unavailable_as_store_error
 from trajstore.store.tokens import decode_logprobs, decode_token_ids
 from trajstore.trainer.advantages import group_advantages
+from trajstore.trainer.distill import read_teacher_logprobs
 from trajstore.trainer.selection import Selection
 from trajstore.trainer.trl_rollout import run_sync
 
@@ -39,11 +40,13 @@ DATASET_COLUMNS = (
     "sample_id", "session_id", "run_id", "task_id", "group_id", "lineage", "role", "branch",
     "is_final", "status", "finish_reason", "reward", "advantage", "policy_version_min",
     "prompt_len", "input_ids",
-    "completion_mask", "logprobs",
+    "completion_mask", "logprobs", "teacher_logprobs",
 )  # fmt: skip
 
 
-async def read_samples_table(source: str | EventStore, selection: Selection | None = None) -> Any:
+async def read_samples_table(
+    source: str | EventStore, selection: Selection | None = None, teacher: str | None = None
+) -> Any:
     """The selected samples as a `pyarrow.Table` with `DATASET_COLUMNS` (see `samples_dataset`)."""
     import pyarrow as pa
 
@@ -53,6 +56,14 @@ async def read_samples_table(source: str | EventStore, selection: Selection | No
     try:
         async with unavailable_as_store_error(), store.pool.acquire() as conn:
             rows = await conn.fetch(SELECT_SAMPLES.format(where=where), *arguments)
+            teachers = {}
+            if teacher is not None:
+                teachers = await read_teacher_logprobs(
+                    conn,
+                    {r["sample_id"]: np.frombuffer(r["token_ids"], "<i4") for r in rows},
+                    {r["sample_id"]: np.frombuffer(r["loss_mask"], np.uint8) for r in rows},
+                    teacher,
+                )
     finally:
         if store is not source:
             await store.close()
@@ -72,6 +83,8 @@ async def read_samples_table(source: str | EventStore, selection: Selection | No
     tokens = [np.asarray(decode_token_ids(r["token_ids"]), np.int32) for r in rows]
     masks = [np.frombuffer(r["loss_mask"], dtype=np.uint8) for r in rows]
     logprobs = [np.asarray(decode_logprobs(r["logprobs"]), np.float32) for r in rows]
+    absent = [np.full(len(t), np.nan, np.float32) for t in tokens]
+    teacher_logprobs = [teachers.get(r["sample_id"], a) for r, a in zip(rows, absent, strict=True)]
     columns: dict[str, Any] = {
         "sample_id": pa.array([str(r["sample_id"]) for r in rows], pa.string()),
         "session_id": pa.array([r["session_id"] for r in rows], pa.string()),
@@ -91,11 +104,14 @@ async def read_samples_table(source: str | EventStore, selection: Selection | No
         "input_ids": lists(tokens, np.int32),
         "completion_mask": lists(masks, np.int8),
         "logprobs": lists(logprobs, np.float32),
+        "teacher_logprobs": lists(teacher_logprobs, np.float32),
     }
     return pa.table({name: columns[name] for name in DATASET_COLUMNS})
 
 
-def samples_dataset(database_url: str, selection: Selection | None = None) -> Dataset:
+def samples_dataset(
+    database_url: str, selection: Selection | None = None, teacher: str | None = None
+) -> Dataset:
     """The samples of a recorded run (any `Selection`) as a `datasets.Dataset`, one row each.
 
     Rows are in sample id order. Columns (`DATASET_COLUMNS`): the sample's identity and outcome
@@ -107,10 +123,12 @@ def samples_dataset(database_url: str, selection: Selection | None = None) -> Da
     (int32), `completion_mask` (int8, the loss mask: 1 where the model generated the token) and
     `logprobs` (float32, the behaviour logprobs; 0.0 where the mask is 0). `input_ids` and
     `completion_mask` are the columns TRL's `SFTTrainer` reads from a pre-tokenised
-    dataset (with `completion_only_loss=True`).
+    dataset (with `completion_only_loss=True`). `teacher_logprobs` (float32): with `teacher`,
+    that teacher's logprob of each generated token (`trajstore score`, `trainer.distill`), NaN
+    where it gave none (prompt tokens, an unscored sample); all NaN without.
 
     Every row is held in memory. From async code, `Dataset(await read_samples_table(...))`.
     """
     from datasets import Dataset
 
-    return Dataset(run_sync(lambda: read_samples_table(database_url, selection)))
+    return Dataset(run_sync(lambda: read_samples_table(database_url, selection, teacher)))
