@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from trajstore.trainer import attention, microbatch
+from trajstore.trainer import attention, microbatch, routing
 from trajstore.trainer.device import autocast, default_autocast, resolve_device, to_device
 from trajstore.trainer.distill import DistillConfig, with_distillation
 from trajstore.trainer.errors import TrainerError
@@ -117,7 +117,8 @@ class Learner:
         images = tensors.get_non_tensor(MULTI_MODAL_INPUTS, default=None)
         if images and any(images):  # a VLM's rows with images: their pixels (`trainer.vision`)
             inputs |= {k: v.to(self.device) for k, v in model_inputs(images).items()}
-        with autocast(self.device, self.autocast):
+        routed = tensors.get("routed_experts", None)
+        with autocast(self.device, self.autocast), routing.replayed(self.model, routed):
             logits = self.model(**inputs).logits
         logprobs = token_logprobs(logits, tensors["input_ids"])
         return logprobs.masked_fill(tensors["position_ids"] == 0, 0.0)

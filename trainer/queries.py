@@ -23,6 +23,12 @@ SELECT sample_id, token_ids, loss_mask, logprobs FROM samples
 WHERE projection_version = $1 AND sample_id = ANY($2::uuid[])
 """
 
+#: The turn-level side data of the given samples (`store.side_data`: routed experts).
+READ_SIDE = """
+SELECT sample_id, side, side_data FROM samples
+WHERE projection_version = $1 AND sample_id = ANY($2::uuid[]) AND side IS NOT NULL
+"""
+
 #: The given samples in the served projection version (the ledger rebuilds a step from these).
 READ_SERVED_SAMPLES = f"""
 SELECT sample_id, session_id, group_id, reward, token_ids, loss_mask, logprobs,

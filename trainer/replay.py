@@ -29,12 +29,14 @@ from tensordict import TensorDict
 
 from trajstore.store import EventStore
 from trajstore.store.connection import unavailable_as_store_error
+from trajstore.store.side_data import EXPERTS, ROUTED_EXPERTS, turn_arrays
 from trajstore.trainer import lag, queries
 from trajstore.trainer.advantages import group_advantages
 from trajstore.trainer.arrays import Arrays, decode_arrays, read_arrays
 from trajstore.trainer.collate import Layout, ReplaySample, collate
 from trajstore.trainer.distill import read_teacher_logprobs, unscored
 from trajstore.trainer.errors import BadSelection
+from trajstore.trainer.routing import as_batch_routing
 from trajstore.trainer.selection import Selection
 
 log = logging.getLogger(__name__)
@@ -136,6 +138,7 @@ def _sample(
     advantage: float,
     selection: Selection,
     teacher: np.ndarray | None = None,
+    routed: np.ndarray | None = None,
 ) -> ReplaySample:
     tokens, mask, logprobs = arrays
     assert entry.reward is not None
@@ -149,7 +152,21 @@ def _sample(
         advantage,
         *selection.versions(entry.policy_version_min),
         teacher,
+        routed,
     )
+
+
+async def routed_arrays(
+    conn: asyncpg.Connection, version: int, ids: Sequence[uuid.UUID]
+) -> dict[uuid.UUID, np.ndarray]:
+    """The routed experts the engine recorded for these samples' tokens, as batch rows hold
+    them (`trainer.routing`); samples without any are left out."""
+    found = {}
+    for row in await conn.fetch(queries.READ_SIDE, version, list(ids)):
+        for side in turn_arrays(row["side"], row["side_data"]):
+            if side.kind == ROUTED_EXPERTS:
+                found[row["sample_id"]] = as_batch_routing(side.arrays[EXPERTS])
+    return found
 
 
 async def teacher_arrays(
@@ -174,6 +191,7 @@ async def replay(
     seed: int = 0,
     shuffle: bool = True,
     teacher: str | None = None,
+    routing: bool = False,
 ) -> AsyncIterator[TensorDict]:
     """The selected samples as `TensorDict` batches (layout: `trainer.collate`), in seeded order.
 
@@ -181,7 +199,9 @@ async def replay(
     many as fit `token_budget` padded tokens; with `pack=True`, rows of up to `token_budget`
     tokens holding several samples (`batch_size` rows per batch). One pass over the selection.
     With `teacher`, batches carry that teacher's logprobs (`trainer.distill`); a selected sample
-    it has not scored is refused (`BadSelection`), as one without a reward is.
+    it has not scored is refused (`BadSelection`), as one without a reward is. With `routing`,
+    batches carry the routed experts the engine recorded (`routed_experts`, `trainer.routing`),
+    which the learner's forward then replays.
     """
     selection = selection or Selection()
     layout = Layout(batch_size, token_budget, pack)
@@ -196,25 +216,28 @@ async def replay(
 
         async def fetch(
             chunk: list[list[list[int]]],
-        ) -> tuple[dict[uuid.UUID, Arrays], dict[uuid.UUID, np.ndarray]]:
+        ) -> tuple[
+            dict[uuid.UUID, Arrays], dict[uuid.UUID, np.ndarray], dict[uuid.UUID, np.ndarray]
+        ]:
             ids = [ordered[i].sample_id for rows in chunk for row in rows for i in row]
             async with unavailable_as_store_error(), store.pool.acquire() as conn:
                 arrays = await read_arrays(conn, version, ids)
                 teachers = await teacher_arrays(conn, arrays, teacher)
+                routed = await routed_arrays(conn, version, ids) if routing else {}
             if teacher is not None and (missing := unscored(ids, teachers)):
                 raise BadSelection(
                     f"teacher {teacher!r} has not scored {len(missing)} selected samples (e.g. "
                     f"{missing[0]}; the scoring_failures view says why if it tried): run "
                     f"`trajstore score --teacher {teacher} ...` first"
                 )
-            return arrays, teachers
+            return arrays, teachers, routed
 
         # Read the next chunk's arrays while this chunk's batches are built and trained on.
         chunks = _chunks(plan, READ_AHEAD_SAMPLES)
         pending = asyncio.ensure_future(fetch(chunks[0]))
         try:
             for k, chunk in enumerate(chunks):
-                arrays, teachers = await pending
+                arrays, teachers, routed = await pending
                 if k + 1 < len(chunks):
                     pending = asyncio.ensure_future(fetch(chunks[k + 1]))
                 for batch_rows in chunk:
@@ -227,6 +250,7 @@ async def replay(
                                     advantage_of[e.sample_id],
                                     selection,
                                     teachers.get(e.sample_id),
+                                    routed.get(e.sample_id),
                                 )
                                 for e in (ordered[i] for i in row)
                             ]

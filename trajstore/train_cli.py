@@ -25,6 +25,7 @@ import click
 
 if TYPE_CHECKING:  # torch and the trainer load on use: `trajstore --help` stays fast
     from trajstore.live import LiveConfig
+    from trajstore.teacher import Teacher
     from trajstore.trainer.learner import LearnerConfig
 
 SERVED_NAME = "tiny"
@@ -74,10 +75,13 @@ async def run_config(
     eval_sessions: int,
     on_step: Callable[[dict[str, float]], None] | None = None,
     checkpoint_dir: Path | None = None,
+    teacher: Teacher | None = None,
 ) -> dict[str, object]:
     """One live run from policy v0: eval on v0, train `config.policies` versions, eval again.
 
-    The engine is reset to v0's weights first, so runs in one process start alike.
+    The engine is reset to v0's weights first, so runs in one process start alike. With a
+    `teacher` (and `learner_config.distill` naming it), a scorer follows the run meanwhile
+    (`trajstore.teacher.follow`) and the learner distills from its scores.
     """
     import httpx
 
@@ -96,10 +100,21 @@ async def run_config(
         ):
             agents = AgentPool(services.proxy_url, SERVED_NAME, run_id, config, http)
             before = await agents.evaluate(f"{run_id}-eval-v0", eval_sessions)
-            history = await train_live(
-                store, learner, publisher, config, run_id=run_id, training_run=run_id,
-                agents=agents, checkpoint_dir=checkpoint_dir, on_step=on_step,
-            )  # fmt: skip
+            scoring = None
+            if teacher is not None:
+                from trajstore.teacher import follow
+
+                scoring = asyncio.create_task(follow(store, teacher, [run_id], poll_interval=0.2))
+            try:
+                history = await train_live(
+                    store, learner, publisher, config, run_id=run_id, training_run=run_id,
+                    agents=agents, checkpoint_dir=checkpoint_dir, on_step=on_step,
+                )  # fmt: skip
+            finally:
+                if scoring is not None:
+                    scoring.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await scoring
             after = await agents.evaluate(f"{run_id}-eval-v{config.policies}", eval_sessions)
     finally:
         await publisher.close()
@@ -134,10 +149,19 @@ def report(result: dict[str, object], policies: int) -> str:
 @click.option("--run-id", default=None, help="Run id of the sessions [default: live-<random>].")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Checkpoint every step; resume from the last one there.")  # fmt: skip
+@click.option("--distill-from", "teacher_engine", default=None, metavar="URL",
+              help="Distill on-policy from this teacher vLLM engine (same tokenizer).")  # fmt: skip
+@click.option("--teacher-model", default="teacher", show_default=True,
+              help="The model the teacher engine serves (also its name).")  # fmt: skip
+@click.option("--distill-coef", default=1.0, show_default=True,
+              help="Weight of the per-token teacher advantage.")  # fmt: skip
+@click.option("--grpo-coef", default=1.0, show_default=True,
+              help="Weight of GRPO's advantage when distilling (0: none).")  # fmt: skip
 @click.pass_context
 def train(
     ctx: click.Context, policies: int, batch_size: int, group_size: int, max_lag: int, tis: bool,
     lr: float, eval_sessions: int, device: str, run_id: str | None, checkpoint_dir: Path | None,
+    teacher_engine: str | None, teacher_model: str, distill_coef: float, grpo_coef: float,
 ) -> None:  # fmt: skip
     """Agents through the proxy, trained on live as they finish; each policy published."""
     from trajstore.live import LiveConfig, describe_step
@@ -151,7 +175,14 @@ def train(
     settings = store_settings_of(ctx)
     config = LiveConfig(policies=policies, batch_size=batch_size, group_size=group_size,
                         max_lag=max_lag)  # fmt: skip
-    learner_config = LearnerConfig(device=device, lr=lr, importance_weights=tis)
+    teacher, distill = None, None
+    if teacher_engine is not None:
+        from trajstore.teacher import Teacher
+        from trajstore.trainer.distill import DistillConfig
+
+        teacher = Teacher(teacher_model, teacher_engine.rstrip("/"), teacher_model)
+        distill = DistillConfig(teacher_model, coef=distill_coef, grpo=grpo_coef)
+    learner_config = LearnerConfig(device=device, lr=lr, importance_weights=tis, distill=distill)
     with (
         backends(settings, [], local_engine=False) as found,
         tempfile.TemporaryDirectory(prefix="trajstore-train-") as work,
@@ -165,7 +196,7 @@ def train(
                 return await run_config(
                     services, config, learner_config, run_id=run_id,
                     eval_sessions=eval_sessions, on_step=lambda m: click.echo(describe_step(m)),
-                    checkpoint_dir=checkpoint_dir,
+                    checkpoint_dir=checkpoint_dir, teacher=teacher,
                 )  # fmt: skip
 
         result = asyncio.run(main())
