@@ -231,6 +231,26 @@ def reweighted_copy(model_dir: Path, out_dir: Path, *, seed: int) -> Path:
     return out_dir
 
 
+def build_tiny_moe(out_dir: Path, *, seed: int = 0, experts: int = 8, top_k: int = 2) -> Path:
+    """A tiny Qwen3-MoE-shaped chat model (2 MoE layers of `experts` experts, top-`top_k`)
+    with the generated tokenizer of `seed`: for routing replay (`trainer.routing`)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer(out_dir, seed=seed, vocab_size=512, max_positions=MAX_POSITIONS)
+    config = Qwen3MoeConfig(
+        vocab_size=-(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=NUM_HEADS, num_key_value_heads=2,
+        head_dim=128 // NUM_HEADS, num_experts=experts, num_experts_per_tok=top_k,
+        norm_topk_prob=True, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
+        bos_token_id=SPECIAL_TOKENS.index(ENDOFTEXT), eos_token_id=SPECIAL_TOKENS.index(IM_END),
+        pad_token_id=SPECIAL_TOKENS.index(ENDOFTEXT), dtype="float32",
+    )  # fmt: skip
+    save_quietly(seeded_model(Qwen3MoeForCausalLM, config, seed), out_dir)
+    return out_dir
+
+
 def seeded_model(model_class: Any, config: Any, seed: int) -> Any:
     """`model_class(config)` with random weights that depend on `seed` alone.
 
