@@ -44,7 +44,11 @@ class LiveServices:
 
 @contextlib.asynccontextmanager
 async def live_services(
-    database_url: str, base_model: Path, work_dir: Path, log_file: Path | None = None
+    database_url: str,
+    base_model: Path,
+    work_dir: Path,
+    log_file: Path | None = None,
+    proxy_port: int = 8700,
 ) -> AsyncIterator[LiveServices]:
     """Serve `base_model` (untied) on a dev-mode vLLM, and a proxy + projector on `database_url`."""
     from trajstore.proxy.cli import free_port_from, proxy_settings
@@ -59,7 +63,7 @@ async def live_services(
     )  # fmt: skip
     engine_url = await asyncio.to_thread(engine.start)
     try:
-        settings = proxy_settings([engine_url], "127.0.0.1", 8700, True, None, "0")
+        settings = proxy_settings([engine_url], "127.0.0.1", proxy_port, True, None, "0")
         async with serving(settings, database_url, poll_interval=0.1) as running:
             yield LiveServices(database_url, engine_url, running.url, model_dir, work_dir)
     finally:
