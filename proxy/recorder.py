@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from trajstore.proxy import routing
 from trajstore.proxy.apis.base import ImagePart
 from trajstore.proxy.continuation import RENDERED, Plan
 from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, referenced, referenced_body
@@ -94,6 +95,7 @@ class _ChoiceBuffer:
     content: list[str] = field(default_factory=list)  # streamed chat content, for the message
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     role: str | None = None
+    routed_experts: str | None = None  # as the engine sent them (`proxy.routing`)
 
 
 class RequestRecorder:
@@ -156,6 +158,8 @@ class RequestRecorder:
         self.api: str = "chat"
         self.max_image_bytes = max_image_bytes
         self.image_token_id = image_token_id
+        self.engine: str | None = None
+        self.routed_experts_start = 0  # the request's `routed_experts_prompt_start`
         # The images recorded for the session so far (by this replica): referenced, not repeated.
         self._images = self.turns.images
         self.on_ended = on_ended
@@ -189,6 +193,9 @@ class RequestRecorder:
         """
         chat = body if chat is None else chat
         self.api = api
+        self.engine = engine
+        start = chat.get("routed_experts_prompt_start")
+        self.routed_experts_start = start if isinstance(start, int) and start > 0 else 0
         payload: dict[str, Any] = {
             "request_id": self.request_id,
             "api": api,
@@ -339,9 +346,18 @@ class RequestRecorder:
             await self.emit(event)
 
     async def finished(self, usage: dict[str, Any] | None) -> None:
-        """Write what is buffered and the completion_finished event."""
+        """Write what is buffered, the side data the engine returned, and completion_finished."""
         self._all_chunks()
         await self.drain()
+        for index in sorted(self._choices):
+            routed = self._choices[index].routed_experts
+            if routed:
+                side = routing.side_data_event(
+                    routed, request_id=self.request_id, choice=index, session_id=self.session_id,
+                    run_id=self.run_id, engine=self.engine, start=self.routed_experts_start,
+                )  # fmt: skip
+                if side is not None:
+                    await self.emit(side)
         choices = []
         for index in sorted(self._choices):
             buffer = self._choices[index]
@@ -510,6 +526,8 @@ class RequestRecorder:
             buffer.message = choice.message
         if choice.delta:
             self._merge_delta(buffer, choice.delta)
+        if choice.routed_experts:
+            buffer.routed_experts = choice.routed_experts
 
     @staticmethod
     def _merge_delta(buffer: _ChoiceBuffer, delta: dict[str, Any]) -> None:

@@ -164,6 +164,8 @@ class ChoiceTokens:
     stop_reason: Any = None
     message: dict[str, Any] | None = None  # non-streaming chat: the whole message
     delta: dict[str, Any] | None = None  # streaming chat: this chunk's delta
+    #: The engine's routed experts as it sent them (vLLM: base64 `.npy`), decoded when recorded.
+    routed_experts: str | None = None
 
 
 @dataclass(slots=True)
@@ -221,6 +223,7 @@ def extract(api: Api, data: dict[str, Any]) -> Extracted:
                 choice.get("stop_reason"),
                 message,
                 delta,
+                choice.get("routed_experts"),
             )
         )
     return Extracted(prompt, choices, data.get("usage"), data.get("model"))
@@ -260,7 +263,9 @@ def extract_stream(api: Api, chunks: list[dict[str, Any]]) -> Extracted:
 class _Run:
     """One choice's chunks of a read, merged (`extract_stream`)."""
 
-    __slots__ = ("calls", "finish_reason", "ids", "logprobs", "role", "stop_reason", "texts")
+    __slots__ = (
+        "calls", "finish_reason", "ids", "logprobs", "role", "routed", "stop_reason", "texts",
+    )  # fmt: skip
 
     def __init__(self, chat: bool) -> None:
         self.ids: list[int] = []
@@ -270,6 +275,7 @@ class _Run:
         self.stop_reason: Any = None
         self.role: str | None = None
         self.calls: list[Any] | None = [] if chat else None  # None: completions (no delta)
+        self.routed: str | None = None
 
     def take(self, api: Api, choice: dict[str, Any]) -> None:
         ids = choice.get("token_ids")
@@ -293,6 +299,7 @@ class _Run:
                     self.calls += calls
         self.finish_reason = choice.get("finish_reason") or self.finish_reason
         self.stop_reason = choice.get("stop_reason") or self.stop_reason
+        self.routed = choice.get("routed_experts") or self.routed
 
     def tokens(self, index: int) -> ChoiceTokens:
         text = "".join(self.texts)
@@ -300,5 +307,6 @@ class _Run:
         if self.calls is not None:
             delta = {"role": self.role, "content": text, "tool_calls": self.calls}
         return ChoiceTokens(
-            index, self.ids, self.logprobs, text, self.finish_reason, self.stop_reason, None, delta
-        )
+            index, self.ids, self.logprobs, text, self.finish_reason, self.stop_reason, None,
+            delta, self.routed,
+        )  # fmt: skip

@@ -64,6 +64,7 @@ ARROW_SCHEMA = pa.schema(
         ("payload", pa.string()),
         ("token_ids", pa.binary()),
         ("logprobs", pa.binary()),
+        ("side_data", pa.binary()),
     ]
 )
 
@@ -297,6 +298,7 @@ class ArchivedEvent(tuple):  # type: ignore[type-arg]
     recorded_at = RecordedEvent.recorded_at
     packed_token_ids = RecordedEvent.packed_token_ids
     packed_logprobs = RecordedEvent.packed_logprobs
+    packed_side_data = RecordedEvent.packed_side_data
     payload = RecordedEvent.__dict__["payload"]
     event_id = RecordedEvent.event_id
     token_ids = RecordedEvent.token_ids
@@ -321,6 +323,8 @@ def archived_events(out: Path, session_id: str) -> list[RecordedEvent]:
         for row in table.to_pylist():
             values = list(row.values())
             values[2] = uuid.UUID(values[2])
+            # Archives written before side data existed have one column fewer.
+            values += [None] * (len(ARROW_SCHEMA) - len(values))
             events.append(ArchivedEvent(values))
     events.sort(key=lambda e: (e.tx_id, e.position))
     return cast(list[RecordedEvent], events)

@@ -64,6 +64,12 @@ class EventType(StrEnum):
     POLICY_SWITCH_FAILED = "policy_switch_failed"
     TRAINING_STEP = "training_step"
     IMAGE_RECORDED = "image_recorded"
+    #: Per-token arrays the engine returned with a turn (MoE routed experts), `store.side_data`.
+    SIDE_DATA_RECORDED = "side_data_recorded"
+    #: A scorer's per-token arrays for a projected sample (a teacher's logprobs), derived later.
+    SAMPLE_SCORED = "sample_scored"
+    #: A scorer could not score a sample: why, so that a gap is never silent.
+    SCORING_FAILED = "scoring_failed"
 
 
 #: The facts after which a session's samples must be (re)built, and that proxy replicas follow:
@@ -174,6 +180,8 @@ class NewEvent:
     payload: Mapping[str, Any] | Payload = field(default_factory=dict)
     token_ids: TokenIdsLike | None = None
     logprobs: LogprobsLike | None = None
+    #: Packed typed arrays described by the payload (`store.side_data.pack`), or None.
+    side_data: bytes | None = None
     event_id: uuid.UUID = field(default_factory=new_event_id)
     # Encoded forms, filled in by __post_init__; these are what goes over the wire.
     payload_json: bytes = field(init=False, repr=False, compare=False)
@@ -208,6 +216,8 @@ class NewEvent:
             )
         object.__setattr__(self, "token_bytes", tokens)
         object.__setattr__(self, "logprob_bytes", logprobs)
+        if self.side_data is not None and not isinstance(self.side_data, bytes):
+            raise BadEvent(f"side_data must be bytes, got {type(self.side_data).__name__}")
 
 
 class _ParsedPayload:
@@ -243,7 +253,7 @@ class RecordedEvent(asyncpg.Record):  # type: ignore[misc]  # asyncpg is untyped
     #: The columns a row holds, in `store.queries.EVENT_COLUMNS` order.
     FIELDS = (
         "position", "tx_id", "event_id", "stream_id", "stream_version", "session_id", "run_id",
-        "type", "recorded_at", "payload", "token_ids", "logprobs",
+        "type", "recorded_at", "payload", "token_ids", "logprobs", "side_data",
     )  # fmt: skip
 
     position: int = _column(0, "The event's place in the log (unique, increasing with insertion).")
@@ -265,6 +275,9 @@ class RecordedEvent(asyncpg.Record):  # type: ignore[misc]  # asyncpg is untyped
     )
     packed_logprobs: bytes | None = _column(
         11, "Logprobs as stored (little-endian float32 bytes), undecoded."
+    )
+    packed_side_data: bytes | None = _column(
+        12, "Side-data arrays as stored (`store.side_data`), described by the payload."
     )
     #: The event's JSON payload, parsed on first access.
     payload = _ParsedPayload()

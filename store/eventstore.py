@@ -40,6 +40,7 @@ def insert_columns(
         [e.payload_json for e in events],
         [e.token_bytes for e in events],
         [e.logprob_bytes for e in events],
+        [e.side_data for e in events],
     ]
 
 

@@ -13,6 +13,12 @@ Images: the `images` column lists a sample's images in order, each with its sha2
 `images_dir`, each data image the exported samples use is written there once, as a file named
 by its sha256 (checked against the bytes); URL images are the URL's to fetch.
 
+Side data (`store.side_data`): the `side_data` column lists a sample's per-token arrays, each
+aligned with `token_ids` (first axis) and flattened row-major: its kind (`teacher_logprobs`,
+`routed_experts`, ...), source (the teacher, the engine), name, dtype and shape; absent
+positions hold NaN (floats; null in JSON) or the dtype's largest value (ids). A scorer's
+failures are in the `scoring_failures` view, not here.
+
 Samples are read from the served projection version in batches, so an export of any size runs
 in bounded memory; `progress` is told how many records each batch wrote.
 """
@@ -37,6 +43,7 @@ from trajstore.store.events import request_stream
 from trajstore.store.eventstore import EventStore
 from trajstore.store.payloads_request import CompletionFinished, RequestReceived
 from trajstore.store.references import Messages
+from trajstore.store.side_data import SampleFacts, read_sample_facts, sample_arrays
 
 FORMATS = ("parquet", "jsonl")
 
@@ -52,6 +59,18 @@ IMAGE = pa.struct(
         ("start", pa.int32()),
         ("end", pa.int32()),
         ("reason", pa.string()),  # why start and end are null
+    ]
+)
+
+#: One per-token array of a sample (`store.side_data`), flattened row-major.
+SIDE_ARRAY = pa.struct(
+    [
+        ("kind", pa.string()),
+        ("source", pa.string()),
+        ("name", pa.string()),
+        ("dtype", pa.string()),
+        ("shape", pa.list_(pa.int32())),
+        ("values", pa.list_(pa.float64())),  # float64 holds every dtype's values exactly
     ]
 )
 
@@ -89,6 +108,7 @@ SCHEMA = pa.schema(
         ("projection_version", pa.int32()),
         ("finished_at", pa.timestamp("us", tz="UTC")),
         ("images", pa.list_(IMAGE)),
+        ("side_data", pa.list_(SIDE_ARRAY)),
     ]
 )
 
@@ -115,7 +135,9 @@ async def records(
         if not rows:
             return
         conversations = await _conversations(store, rows, archive)
-        yield [_record(row, conversations) for row in rows]
+        async with store.pool.acquire() as conn:
+            facts = await read_sample_facts(conn, [row["sample_id"] for row in rows])
+        yield [_record(row, conversations, facts.get(row["sample_id"])) for row in rows]
         last = rows[-1]
         after = (
             last["run_id"] or "", last["session_id"], last["lineage"], last["branch"],
@@ -178,7 +200,23 @@ def _last_request(row: Any) -> str:
     return str(row["request_ids"][-1]) if row["request_ids"] else ""
 
 
-def _record(row: Any, conversations: dict[str, Any]) -> dict[str, Any]:
+def _side_data(row: Any, facts: SampleFacts | None) -> list[dict[str, Any]]:
+    mask = np.frombuffer(row["loss_mask"], np.uint8)
+    return [
+        {
+            "kind": side.kind,
+            "source": side.source or None,
+            "name": name,
+            "dtype": values.dtype.name,
+            "shape": list(values.shape),
+            "values": [None if v != v else v for v in values.astype(np.float64).ravel().tolist()],
+        }
+        for side in sample_arrays(row["token_ids"], mask, row["side"], row["side_data"], facts)
+        for name, values in side.arrays.items()
+    ]
+
+
+def _record(row: Any, conversations: dict[str, Any], facts: SampleFacts | None) -> dict[str, Any]:
     return {
         "sample_id": str(row["sample_id"]),
         "run_id": row["run_id"],
@@ -211,6 +249,7 @@ def _record(row: Any, conversations: dict[str, Any]) -> dict[str, Any]:
         "projection_version": row["projection_version"],
         "finished_at": row["finished_at"],
         "images": [] if row["images"] is None else orjson.loads(row["images"]),
+        "side_data": _side_data(row, facts),
     }
 
 

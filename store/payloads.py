@@ -24,7 +24,7 @@ catalogue docs/architecture.md holds (`store.catalogue`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -236,3 +236,81 @@ class PolicySwitchFailed(_Switch):
     event_type: ClassVar[str] = "policy_switch_failed"
     failed_at: float
     reason: str
+
+
+# -- per-token side data (`store.side_data`) ----------------------------------------------------
+#: The element types a side-data array may have (little-endian), narrowest first per kind.
+SideDtype = Literal["uint8", "uint16", "int32", "float16", "float32"]
+
+
+class ArraySpec(BaseModel):
+    """One array packed in an event's `side_data` bytes: its name, element type, shape (the
+    first axis is the tokens), and where its bytes lie in the column."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    name: str
+    dtype: SideDtype
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+@payload_type
+class SideDataRecorded(Payload):
+    """Per-token arrays an engine returned with a turn's completion (e.g. MoE routed experts),
+    aligned with the tokens of choice `choice` from token `start` on; recorded by the proxy in
+    the request's stream."""
+
+    event_type: ClassVar[str] = "side_data_recorded"
+
+    request_id: str
+    choice: int = 0
+    #: Which channel: `routed_experts`, ...
+    kind: str
+    #: Who produced it (the engine's name).
+    source: str | None = None
+    start: int = 0
+    n_tokens: int
+    arrays: list[ArraySpec]
+
+
+@payload_type
+class SampleScored(Payload):
+    """A scorer's per-token arrays for one projected sample, aligned with the sample's
+    generated tokens (loss mask 1, in order): a teacher's logprob of each, its top-k.
+
+    Derived, never an update: a re-score is another event; readers take the latest per
+    (sample, kind, source). `tokens_sha256` is the hash of the sample's packed token ids when
+    scored, so a reader never aligns a score with other tokens."""
+
+    event_type: ClassVar[str] = "sample_scored"
+
+    sample_id: str
+    #: Which channel: `teacher_logprobs` (with `teacher_topk` arrays when top-k was asked).
+    kind: str
+    #: The scorer's name (a teacher), chosen by whoever runs it: several sit side by side.
+    source: str
+    model: str | None = None
+    n_tokens: int
+    tokens_sha256: str
+    top_k: int = 0
+    #: Over the scored tokens: the teacher's mean logprob, and the mean of behaviour - teacher
+    #: (the per-token reverse KL estimate on sampled tokens): for SQL without decoding arrays.
+    mean_logprob: float | None = None
+    mean_reverse_kl: float | None = None
+    arrays: list[ArraySpec]
+
+
+@payload_type
+class ScoringFailed(Payload):
+    """A scorer could not score a sample: the reason (a short code) and the engine's words."""
+
+    event_type: ClassVar[str] = "scoring_failed"
+
+    sample_id: str
+    kind: str
+    source: str
+    #: vocabulary | too_long | engine | misaligned
+    reason: str
+    message: str

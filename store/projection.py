@@ -88,6 +88,7 @@ def sample_row(sample: Sample, last_position: int, version: int) -> tuple[Any, .
         sample.parent,
         sample.fork_at,
         sample.version_spans or None,
+        *sample.side_columns(),
     )
 
 

@@ -26,7 +26,7 @@ FACT_TYPES = sql_literals(SESSION_FACTS)
 #: The columns of a `RecordedEvent`, in its order.
 EVENT_COLUMNS = (
     "position, tx_id, event_id, stream_id, stream_version, session_id, run_id, event_type, "
-    "recorded_at, payload, token_ids, logprobs"
+    "recorded_at, payload, token_ids, logprobs, side_data"
 )
 
 #: The columns a writer supplies; position, tx_id and recorded_at come from the database.
@@ -40,13 +40,14 @@ INSERT_COLUMNS = (
     "payload",
     "token_ids",
     "logprobs",
+    "side_data",
 )
 
 APPEND = f"""
 INSERT INTO events ({", ".join(INSERT_COLUMNS)})
 SELECT * FROM unnest(
     $1::uuid[], $2::text[], $3::int8[], $4::text[], $5::text[], $6::text[], $7::jsonb[],
-    $8::bytea[], $9::bytea[]
+    $8::bytea[], $9::bytea[], $10::bytea[]
 )
 RETURNING event_id, position
 """
@@ -160,7 +161,7 @@ def read_partition(name: str) -> str:
     prints), in log order: what an archive file holds."""
     return f"""
 SELECT position, tx_id, event_id, stream_id, stream_version, session_id, run_id, event_type,
-       recorded_at, payload::text, token_ids, logprobs
+       recorded_at, payload::text, token_ids, logprobs, side_data
 FROM {name} ORDER BY tx_id, position
 """
 
@@ -183,6 +184,35 @@ WHERE p.session_id IS NOT NULL
 ORDER BY 1
 """
 
+
+#: The derived facts of some samples (`store.side_data.sample_stream`: scores, failures), in
+#: log order, from each partition's unique index on (stream_id, stream_version).
+READ_SAMPLE_FACTS = f"""
+SELECT {EVENT_COLUMNS} FROM events
+WHERE stream_id = ANY($1::text[])
+ORDER BY tx_id, position
+"""
+
+#: Samples of some runs ($1; NULL: every run) in the served projection with generated tokens and
+#: no `sample_scored` of kind $2 by source $3 yet, by id after $4, at most $5: a scorer's work
+#: list (`store.side_data.unscored_samples`). The NOT EXISTS probes the sample's stream.
+UNSCORED_SAMPLES = """
+SELECT s.sample_id, s.session_id, s.run_id, s.token_ids, s.loss_mask, s.logprobs
+FROM samples s
+WHERE s.projection_version
+      = coalesce((SELECT version FROM projection_serving WHERE name = 'samples'), 1)
+  AND ($1::text[] IS NULL OR s.run_id = ANY($1::text[]))
+  AND s.response_len > 0
+  AND s.sample_id > $4::uuid
+  AND NOT EXISTS (
+      SELECT FROM events e
+      WHERE e.stream_id = 'sample-' || s.sample_id::text
+        AND e.event_type = 'sample_scored'
+        AND e.payload ->> 'kind' = $2 AND e.payload ->> 'source' = $3
+  )
+ORDER BY s.sample_id
+LIMIT $5
+"""
 
 SNAPSHOT_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())"
 
@@ -228,7 +258,7 @@ SAMPLE_COLUMNS = (
     "logprobs", "prompt_len", "response_len", "n_turns", "tool_turns", "policy_versions",
     "engines", "divergence", "last_position", "tags", "request_ids", "created_at",
     "finished_at", "policy_version_min", "policy_version_max", "images", "lineage", "role",
-    "parent", "fork_at", "version_spans",
+    "parent", "fork_at", "version_spans", "side", "side_data",
 )  # fmt: skip
 
 #: The version readers are served; FOR SHARE so a rebuild's switch waits for batches in flight.

@@ -98,6 +98,8 @@ class TurnRecord:
     #: The prompt starts with that request's prompt + completion
     prompt_prefix: PromptPrefix | None = None
     n_prompt_tokens: int | None = None  #: the whole prompt's length (None: not recorded yet)
+    #: Per-token arrays the engine returned with it (`store.side_data`): (payload, bytes).
+    side_data: list[tuple[Any, bytes | None]] = field(default_factory=list, repr=False)
     session: SessionRecord | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -130,6 +130,12 @@ SELECT sample_id, token_ids, loss_mask, logprobs, version_spans FROM samples
 WHERE projection_version = $1 AND sample_id = ANY($2::uuid[])
 """
 
+#: The turn-level side data of the given samples (`store.side_data`: routed experts).
+READ_SIDE = """
+SELECT sample_id, side, side_data FROM samples
+WHERE projection_version = $1 AND sample_id = ANY($2::uuid[]) AND side IS NOT NULL
+"""
+
 #: The given samples in the served projection version (the ledger rebuilds a step from these).
 READ_SERVED_SAMPLES = f"""
 SELECT sample_id, session_id, group_id, reward, token_ids, loss_mask, logprobs, version_spans,
@@ -221,6 +227,11 @@ async def read_arrays(
     """(sample_id, token_ids, loss_mask, logprobs) of the given samples of one projection
     version; a sample removed meanwhile is missing."""
     return await _fetch(source, READ_ARRAYS, version, list(ids))
+
+
+async def read_side(source: Source, version: int, ids: Sequence[uuid.UUID]) -> list[asyncpg.Record]:
+    """(sample_id, side, side_data) of the given samples that have turn-level side data."""
+    return await _fetch(source, READ_SIDE, version, list(ids))
 
 
 async def read_served(source: Source, ids: Sequence[uuid.UUID]) -> list[asyncpg.Record]:

@@ -49,7 +49,9 @@ import numpy as np
 
 from trajstore.store.images import image_spans
 from trajstore.store.lineages import Divergence, Lineage, assign
+from trajstore.store.payloads import ArraySpec
 from trajstore.store.records import ChoiceRecord, SessionRecord, TurnRecord
+from trajstore.store.side_data import absent, unpack
 from trajstore.store.tokens import (
     LOGPROB_DTYPE,
     TOKEN_DTYPE,
@@ -120,6 +122,7 @@ class Sample:
     #: `token_ids`, the generated tokens only, in order (a turn cut by a weight switch adds two
     #: or more; a turn recorded before spans existed one, its request's `policy_version`).
     version_spans: list[dict[str, Any]] = field(default_factory=list)
+    _choices: list[int] = field(default_factory=list, repr=False)  # each turn's choice
 
     @property
     def n_tokens(self) -> int:
@@ -196,8 +199,59 @@ class Sample:
             at += glue + completion
         return offsets
 
+    def side_arrays(self) -> dict[tuple[str, str, str], np.ndarray[Any, Any]]:
+        """Its turns' side data (`store.side_data`: routed experts) aligned with its tokens:
+        (kind, source, name) -> an array whose first axis is the sample's tokens, `absent`
+        where no turn gave a value. A turn's arrays index its own prompt + completion; each
+        fills only the positions that turn added to the sample (its glue and completion)."""
+        full: dict[tuple[str, str, str], np.ndarray[Any, Any]] = {}
+        n = self.n_tokens
+        for (index, glue, start, end), choice in zip(
+            self.turn_offsets(), self._choices, strict=True
+        ):
+            turn = self.session.turns[index]
+            if not turn.side_data or turn.n_prompt_tokens is None:
+                continue
+            shift = start - turn.n_prompt_tokens  # sample position of the turn's position 0
+            for side, data in turn.side_data:
+                if side.choice != choice:
+                    continue
+                for name, values in unpack(side.arrays, data).items():
+                    key = (side.kind, side.source or "", name)
+                    if key not in full:
+                        fill = absent(values.dtype)
+                        full[key] = np.full((n, *values.shape[1:]), fill, values.dtype)
+                    target = full[key]
+                    if target.shape[1:] != values.shape[1:]:
+                        continue  # another layout within one sample: never a guessed row
+                    lo = max(glue, side.start + shift)
+                    hi = min(end, side.start + shift + len(values))
+                    if hi > lo:
+                        first = lo - shift - side.start
+                        target[lo:hi] = values[first : first + hi - lo]
+        return full
+
+    def side_columns(self) -> tuple[list[dict[str, Any]] | None, bytes | None]:
+        """`samples.side` and `samples.side_data`: the specs of `side_arrays()` (with kind and
+        source) and their packed bytes; (None, None) without side data."""
+        arrays = self.side_arrays()
+        if not arrays:
+            return None, None
+        specs, chunks, offset = [], [], 0
+        for (kind, source, name), values in arrays.items():
+            data = values.astype(values.dtype.newbyteorder("<"), copy=False).tobytes()
+            spec = ArraySpec(
+                name=name, dtype=values.dtype.name, shape=list(values.shape),
+                offset=offset, nbytes=len(data),
+            )  # fmt: skip
+            specs.append({"kind": kind, "source": source or None, **spec.model_dump()})
+            chunks.append(data)
+            offset += len(data)
+        return specs, b"".join(chunks)
+
     def _add_turn(self, index: int, turn: TurnRecord, choice: ChoiceRecord) -> None:
         self.turns.append(index)
+        self._choices.append(choice.index)
         ids = _packed_ids(choice.token_ids)
         logprobs = _packed_logprobs(choice.logprobs)
         n = len(ids) // _ID

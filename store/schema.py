@@ -81,6 +81,9 @@ events = Table(
     Column("payload", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("token_ids", LargeBinary),  # little-endian int32, see store.tokens
     Column("logprobs", LargeBinary),  # little-endian float32, one per token id
+    # Typed per-token arrays the payload describes (`store.side_data`): routed experts, a
+    # teacher's logprobs; NULL for every other event.
+    Column("side_data", LargeBinary),
     # A partitioned table's unique constraints must include its partition key, which would make
     # them refuse nothing: each partition has unique indexes of its own on `event_id` and
     # `(stream_id, stream_version)` (`store.keys`), and across partitions the keys are checked
@@ -185,6 +188,10 @@ samples = Table(
     # Which policy version generated which tokens: [{version, start, end}] over token_ids, the
     # generated tokens only (`store.samples`); NULL for rows projected before spans existed.
     Column("version_spans", JSONB),
+    # Turn-level side data (`store.side_data`: routed experts) aligned with token_ids: the
+    # arrays' specs ({kind, source, name, dtype, shape, offset, nbytes}) and their packed bytes.
+    Column("side", JSONB),
+    Column("side_data", LargeBinary),
     # Live readers (the trainer) tail rows in (projected_tx, projected_seq) order below the
     # horizon, exactly as readers of the log do (see queries.READ_ALL).
     Column("projected_tx", XID8, nullable=False, server_default=text("pg_current_xact_id()")),
@@ -292,10 +299,12 @@ DO $$
 BEGIN
     ALTER TABLE events ALTER COLUMN token_ids SET COMPRESSION lz4,
         ALTER COLUMN logprobs SET COMPRESSION lz4,
-        ALTER COLUMN payload SET COMPRESSION lz4;
+        ALTER COLUMN payload SET COMPRESSION lz4,
+        ALTER COLUMN side_data SET COMPRESSION lz4;
     ALTER TABLE samples ALTER COLUMN token_ids SET COMPRESSION lz4,
         ALTER COLUMN loss_mask SET COMPRESSION lz4,
-        ALTER COLUMN logprobs SET COMPRESSION lz4;
+        ALTER COLUMN logprobs SET COMPRESSION lz4,
+        ALTER COLUMN side_data SET COMPRESSION lz4;
 EXCEPTION WHEN feature_not_supported THEN  -- a server built without lz4
     ALTER TABLE events ALTER COLUMN token_ids SET STORAGE EXTERNAL,
         ALTER COLUMN logprobs SET STORAGE EXTERNAL;

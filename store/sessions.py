@@ -91,6 +91,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from trajstore.store import payloads
 from trajstore.store.events import EventType, RecordedEvent, request_stream
 from trajstore.store.payloads_request import (
     CompletionChunk,
@@ -146,6 +147,7 @@ _REWARD = EventType.REWARD_ASSIGNED.value
 _SESSION_FINISHED = EventType.SESSION_FINISHED.value
 _DISCARDED = EventType.SESSION_DISCARDED.value
 _IMAGE = EventType.IMAGE_RECORDED.value
+_SIDE = EventType.SIDE_DATA_RECORDED.value
 
 
 def rebuild_session(
@@ -257,7 +259,11 @@ def rebuild_session(
             image = ImageRecorded.read(event.payload)
             if image.sha256 not in session.images:
                 session.images[image.sha256] = image.described()
-        # else: a newer event type; a reader of today ignores what it does not know
+        elif kind == _SIDE and stream in turns:
+            side = payloads.load(kind, event.payload)
+            turns[stream].side_data.append((side, event.packed_side_data))
+        # else: a newer event type (or a sample's derived facts, `store.side_data`, which
+        # readers align when they read); a reader of today ignores what it does not know
     _in_request_order(session.turns)
     for (stream, index), pending in chunks.items():
         if index == 0:

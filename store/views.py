@@ -254,6 +254,90 @@ LEFT JOIN LATERAL (
 WHERE s.event_type = 'session_created'
 """
 
+# Side data for people (`store.side_data`): one row per array of every side-data fact, its bytes
+# cut out of the event's `side_data`; `trajstore_float32s` / `trajstore_uints` decode them.
+SIDE_DATA_VIEW = """
+CREATE VIEW side_data AS
+SELECT
+    e.session_id,
+    e.run_id,
+    e.event_type,
+    (e.payload ->> 'sample_id')::uuid AS sample_id,
+    e.payload ->> 'request_id' AS request_id,
+    e.payload ->> 'kind' AS kind,
+    e.payload ->> 'source' AS source,
+    (e.payload ->> 'n_tokens')::integer AS n_tokens,
+    (e.payload ->> 'mean_logprob')::double precision AS mean_logprob,
+    (e.payload ->> 'mean_reverse_kl')::double precision AS mean_reverse_kl,
+    a.spec ->> 'name' AS name,
+    a.spec ->> 'dtype' AS dtype,
+    ARRAY(SELECT jsonb_array_elements_text(a.spec -> 'shape')::integer) AS shape,
+    substring(e.side_data FROM (a.spec ->> 'offset')::integer + 1
+              FOR (a.spec ->> 'nbytes')::integer) AS data,
+    e.recorded_at,
+    e.position
+FROM events e
+CROSS JOIN LATERAL jsonb_array_elements(e.payload -> 'arrays') AS a (spec)
+WHERE e.event_type IN ('side_data_recorded', 'sample_scored')
+"""
+
+#: Every sample a scorer could not score, and why (a gap is never silent).
+SCORING_FAILURES_VIEW = """
+CREATE VIEW scoring_failures AS
+SELECT
+    e.session_id,
+    e.run_id,
+    (e.payload ->> 'sample_id')::uuid AS sample_id,
+    e.payload ->> 'kind' AS kind,
+    e.payload ->> 'source' AS source,
+    e.payload ->> 'reason' AS reason,
+    e.payload ->> 'message' AS message,
+    e.recorded_at,
+    e.position
+FROM events e
+WHERE e.event_type = 'scoring_failed'
+"""
+
+#: Little-endian float32 bytes (logprobs, a teacher's) as real[], NaN and infinities kept.
+FLOAT32S_FUNCTION = """
+CREATE FUNCTION trajstore_float32s(data bytea) RETURNS real[]
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $$
+DECLARE
+    out real[] := '{}';
+    bits bigint;
+    exponent integer;
+    fraction bigint;
+    sign integer;
+BEGIN
+    FOR i IN 0 .. length(data) / 4 - 1 LOOP
+        -- PostgreSQL gives | and << one precedence, left to right: hence the parentheses.
+        bits := get_byte(data, 4 * i)::bigint | (get_byte(data, 4 * i + 1)::bigint << 8)
+              | (get_byte(data, 4 * i + 2)::bigint << 16)
+              | (get_byte(data, 4 * i + 3)::bigint << 24);
+        sign := CASE WHEN bits >> 31 = 1 THEN -1 ELSE 1 END;
+        exponent := (bits >> 23) & 255;
+        fraction := bits & 8388607;
+        out := out || CASE
+            WHEN exponent = 255 AND fraction <> 0 THEN 'NaN'::real
+            WHEN exponent = 255 THEN sign * 'Infinity'::real
+            WHEN exponent = 0 THEN (sign * fraction * 2.0 ^ (-149))::real
+            ELSE (sign * (8388608 + fraction) * 2.0 ^ (exponent - 150))::real
+        END;
+    END LOOP;
+    RETURN out;
+END
+$$"""
+
+#: Little-endian unsigned integers of `width` bytes (1, 2; 4 for int32 ids) as integer[].
+UINTS_FUNCTION = """
+CREATE FUNCTION trajstore_uints(data bytea, width integer) RETURNS bigint[]
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+SELECT coalesce(array_agg(
+    (SELECT sum(get_byte(data, i * width + b)::bigint << (8 * b))
+     FROM generate_series(0, width - 1) AS b) ORDER BY i), '{}')
+FROM generate_series(0, length(data) / width - 1) AS i
+$$"""
+
 CREATE_READER_ROLE = f"""
 DO $$
 BEGIN
@@ -268,15 +352,25 @@ CREATE = [
     TURN_MESSAGES_FUNCTION,
     TURNS_VIEW,
     TRAJECTORIES_VIEW,
+    SIDE_DATA_VIEW,
+    SCORING_FAILURES_VIEW,
+    FLOAT32S_FUNCTION,
+    UINTS_FUNCTION,
     CREATE_READER_ROLE,
     f"GRANT USAGE ON SCHEMA public TO {READER_ROLE}",
     f"GRANT SELECT ON turns, trajectories, samples TO {READER_ROLE}",
+    f"GRANT SELECT ON side_data, scoring_failures TO {READER_ROLE}",
 ]
 
 #: What `downgrade` runs, in order, before the tables go (the role stays: see above).
 DROP = [
+    f"REVOKE SELECT ON side_data, scoring_failures FROM {READER_ROLE}",
     f"REVOKE SELECT ON turns, trajectories, samples FROM {READER_ROLE}",
     f"REVOKE USAGE ON SCHEMA public FROM {READER_ROLE}",
+    "DROP FUNCTION trajstore_uints(bytea, integer)",
+    "DROP FUNCTION trajstore_float32s(bytea)",
+    "DROP VIEW scoring_failures",
+    "DROP VIEW side_data",
     "DROP VIEW trajectories",
     "DROP VIEW turns",
     "DROP FUNCTION trajstore_turn_messages(text, jsonb)",

@@ -71,6 +71,7 @@ def copy_row(stream_id: str, stream_version: int, e: NewEvent) -> Row:
         e.payload_json,
         e.token_bytes,
         e.logprob_bytes,
+        e.side_data,
     )
 
 
@@ -218,7 +219,7 @@ class EventWriter:
         # `copy_row`, written out: one comprehension is half the time of a call per event.
         rows = [
             (e.event_id, stream_id, version, e.session_id, e.run_id, e.type, e.payload_json,
-             e.token_bytes, e.logprob_bytes)
+             e.token_bytes, e.logprob_bytes, e.side_data)
             for version, e in enumerate(events, start=first_version)
         ]  # fmt: skip
         self._queue.extend(rows)

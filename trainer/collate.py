@@ -18,6 +18,11 @@ is `[rows, length]`, token by token, so a trainer can split it into micro-batche
     token_version   int32    the policy version that generated the token (-1: not generated, or
                              unknown): a turn cut by a weight switch has two or more
     token_staleness int32    current policy version - token_version (-1: unknown)
+    teacher_logprobs float32 a teacher's logprob of the token (`trainer.distill`; 0 where
+                             teacher_mask is false: 0, not NaN, so that batches compare equal)
+    teacher_mask    bool     True where the model generated the token and a teacher scored it
+    routed_experts  int64    [rows, length, layers, top_k]: the experts the engine routed each
+                             token to (`trainer.routing`; -1 absent); only when a sample has them
 
 and one non-tensor entry, `samples`: a list with one dict per sample, in row order (sample_id,
 session_id, row, reward, advantage, policy_version, staleness, n_tokens, checksum). It belongs to
@@ -65,6 +70,10 @@ class ReplaySample(NamedTuple):
     #: Per token: the version that generated it, and the current version minus it (-1: unknown).
     token_versions: npt.NDArray[np.int32] | None = None
     token_staleness: npt.NDArray[np.int32] | None = None
+    #: A teacher's logprobs aligned with token_ids (NaN where absent), when one was asked for.
+    teacher_logprobs: npt.NDArray[np.float32] | None = None
+    #: The engine's routed experts, (tokens, layers, top_k), -1 where absent (`trainer.routing`).
+    routed_experts: npt.NDArray[np.int64] | None = None
 
     @property
     def checksum(self) -> int:
@@ -175,7 +184,7 @@ class Layout:
 
 
 #: The batch's tensors: name, dtype and the value of padding, in the order they are laid out.
-FIELDS: tuple[tuple[str, type[np.generic], int], ...] = (
+FIELDS: tuple[tuple[str, type[np.generic], float], ...] = (
     ("input_ids", np.int64, 0),
     ("position_ids", np.int64, 0),
     ("logprobs", np.float32, 0),
@@ -188,6 +197,8 @@ FIELDS: tuple[tuple[str, type[np.generic], int], ...] = (
     ("segment_ids", np.int32, 0),
     ("attention_mask", np.bool_, 0),
     ("loss_mask", np.bool_, 0),
+    ("teacher_logprobs", np.float32, 0),
+    ("teacher_mask", np.bool_, 0),
 )
 
 
@@ -251,14 +262,42 @@ def collate(rows: Sequence[Sequence[ReplaySample]]) -> TensorDict:
                 a["token_version"][r, span] = sample.token_versions
             if sample.token_staleness is not None:
                 a["token_staleness"][r, span] = sample.token_staleness
+            if sample.teacher_logprobs is not None:
+                scored = np.isfinite(sample.teacher_logprobs) & (sample.loss_mask == 1)
+                a["teacher_logprobs"][r, span] = np.where(scored, sample.teacher_logprobs, 0.0)
+                a["teacher_mask"][r, span] = scored
             described.append(sample.describe(r))
             at += n
+    routed = _routed(rows, width)
     np.greater(a["segment_ids"], 0, out=a["attention_mask"])
     batch = TensorDict(
         {name: torch.from_numpy(a[name]) for name, _, _ in FIELDS}, batch_size=[n_rows]
     )
+    if routed is not None:
+        batch["routed_experts"] = torch.from_numpy(routed)
     batch.set_non_tensor("samples", described)
     return batch
+
+
+def _routed(rows: Sequence[Sequence[ReplaySample]], width: int) -> npt.NDArray[np.int64] | None:
+    """The rows' routed experts, `[rows, width, layers, top_k]`, -1 where absent; None when no
+    sample has any."""
+    shapes = {
+        s.routed_experts.shape[1:] for row in rows for s in row if s.routed_experts is not None
+    }
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise BadSelection(f"samples of one batch were routed with other shapes: {sorted(shapes)}")
+    routed = np.full((len(rows), width, *shapes.pop()), -1, np.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for sample in row:
+            n = int(sample.token_ids.shape[0])
+            if sample.routed_experts is not None:
+                routed[r, at : at + n] = sample.routed_experts
+            at += n
+    return routed
 
 
 def sample_ids(batch: TensorDict) -> list[str]:

@@ -37,8 +37,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from trajstore.trainer import attention, microbatch
+from trajstore.trainer import attention, microbatch, routing
 from trajstore.trainer.device import autocast, default_autocast, resolve_device, to_device
+from trajstore.trainer.distill import DistillConfig, with_distillation
 from trajstore.trainer.errors import TrainerError
 from trajstore.trainer.logprobs import (
     DEFAULT_CHUNK_TOKENS,
@@ -72,6 +73,8 @@ class LearnerConfig:
     #: (what "TIS off" means in `benchmarks/learning.py`)
     importance_weights: bool = True
     loss: LossConfig = field(default_factory=LossConfig)
+    #: On-policy distillation from a teacher's logprobs (`trainer.distill`); None: GRPO alone.
+    distill: DistillConfig | None = None
 
     def __post_init__(self) -> None:
         if self.logprobs not in LOGPROBS:
@@ -169,12 +172,14 @@ class Learner:
         images = tensors.get_non_tensor(MULTI_MODAL_INPUTS, default=None)
         if images and any(images):  # a VLM's rows with images: their pixels (`trainer.vision`)
             inputs |= {k: v.to(self.device) for k, v in model_inputs(images).items()}
+        # A mixture of experts routes as the engine did, when the batch says so (`trainer.routing`).
+        routed = tensors.get("routed_experts", None)
         if self.config.logprobs == "full":
-            with autocast(self.device, self.autocast):
+            with autocast(self.device, self.autocast), routing.replayed(self.model, routed):
                 logits = self.model(**inputs).logits
             logprobs = token_logprobs(logits, tensors["input_ids"])
             return logprobs.masked_fill(tensors["position_ids"] == 0, 0.0)
-        with autocast(self.device, self.autocast):
+        with autocast(self.device, self.autocast), routing.replayed(self.model, routed):
             # The decoder alone: its last hidden states, not the logits (`trainer.logprobs`).
             hidden = self.model.base_model(**inputs, use_cache=False).last_hidden_state
         return row_logprobs(
@@ -216,9 +221,13 @@ class Learner:
                 tensors = m.tensors
                 if not self.config.importance_weights:
                     tensors = _behaving_as(tensors, reference)
+                distilled: dict[str, torch.Tensor] = {}
+                if self.config.distill is not None:
+                    tensors, distilled = with_distillation(tensors, logprobs, self.config.distill)
                 loss, metrics = policy_loss_terms(
                     logprobs, tensors, old_logprobs=reference, config=self.config.loss
                 )
+                metrics |= distilled
                 (loss * m.weight).backward()  # type: ignore[no-untyped-call]
                 loss_sum += loss.detach() * m.weight
                 _accumulate(totals, metrics, m.weight)
@@ -238,6 +247,10 @@ class Learner:
         }
 
 
+#: Metrics that add up over micro-batches rather than average.
+_COUNTS = ("tokens", "teacher_tokens")
+
+
 def _accumulate(
     totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], weight: float
 ) -> None:
@@ -245,10 +258,10 @@ def _accumulate(
     device: nothing here waits for it)."""
     for key, value in metrics.items():
         if key not in totals:
-            totals[key] = value if key in ("ratio_max", "tokens") else value * weight
+            totals[key] = value if key in _COUNTS or key == "ratio_max" else value * weight
         elif key == "ratio_max":
             totals[key] = torch.maximum(totals[key], value)
-        elif key == "tokens":
+        elif key in _COUNTS:
             totals[key] = totals[key] + value
         else:
             totals[key] = totals[key] + value * weight

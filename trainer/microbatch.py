@@ -76,6 +76,13 @@ def split(batch: TensorDict, token_budget: int | None, pad_multiple: int = 1) ->
             {name: _cut(name, batch[name][index], width) for name, _, _ in FIELDS},
             batch_size=[len(group)],
         )
+        every = batch.get("routed_experts", None)
+        if every is not None:  # (`trainer.routing`): cut along the tokens
+            routed = every[index][:, :width]
+            if routed.shape[1] < width:
+                pad = routed.new_full((len(group), width - routed.shape[1], *routed.shape[2:]), -1)
+                routed = torch.cat([routed, pad], dim=1)
+            tensors["routed_experts"] = routed
         if images is not None:  # a VLM's rows keep their images (`trainer.vision`)
             tensors.set_non_tensor(MULTI_MODAL_INPUTS, [images[r] for r in group])
         tokens = sum(per_row[r] for r in group)

@@ -28,11 +28,14 @@ import numpy as np
 from tensordict import TensorDict
 
 from trajstore.store import EventStore, sample_reads
+from trajstore.store.side_data import EXPERTS, ROUTED_EXPERTS, turn_arrays
 from trajstore.trainer import lag
 from trajstore.trainer.advantages import group_advantages
 from trajstore.trainer.arrays import Arrays, decode_arrays, read_arrays
 from trajstore.trainer.collate import Layout, ReplaySample, collate
+from trajstore.trainer.distill import read_teacher_logprobs, unscored
 from trajstore.trainer.errors import BadSelection
+from trajstore.trainer.routing import as_batch_routing
 from trajstore.trainer.selection import Selection
 
 log = logging.getLogger(__name__)
@@ -141,7 +144,12 @@ def skipped_entry(entry: IndexEntry, max_sample_tokens: int) -> dict[str, Any]:
 
 
 def _sample(
-    entry: IndexEntry, arrays: Arrays, advantage: float, selection: Selection
+    entry: IndexEntry,
+    arrays: Arrays,
+    advantage: float,
+    selection: Selection,
+    teacher: np.ndarray | None = None,
+    routed: np.ndarray | None = None,
 ) -> ReplaySample:
     tokens, mask, logprobs, versions = arrays
     assert entry.reward is not None
@@ -156,6 +164,33 @@ def _sample(
         *selection.versions(entry.policy_version_min),
         token_versions=versions,
         token_staleness=lag.token_staleness(versions, selection.current_policy_version),
+        teacher_logprobs=teacher,
+        routed_experts=routed,
+    )
+
+
+async def routed_arrays(
+    store: EventStore, version: int, ids: Sequence[uuid.UUID]
+) -> dict[uuid.UUID, np.ndarray]:
+    """The routed experts the engine recorded for these samples' tokens, as batch rows hold
+    them (`trainer.routing`); samples without any are left out."""
+    found = {}
+    for row in await sample_reads.read_side(store, version, ids):
+        for side in turn_arrays(row["side"], row["side_data"]):
+            if side.kind == ROUTED_EXPERTS:
+                found[row["sample_id"]] = as_batch_routing(side.arrays[EXPERTS])
+    return found
+
+
+async def teacher_arrays(
+    store: EventStore, arrays: dict[uuid.UUID, Arrays], teacher: str | None
+) -> dict[uuid.UUID, np.ndarray]:
+    """`teacher`'s logprobs of these samples, aligned with their tokens (`trainer.distill`);
+    empty without a teacher."""
+    if teacher is None:
+        return {}
+    return await read_teacher_logprobs(
+        store, {i: a[0] for i, a in arrays.items()}, {i: a[1] for i, a in arrays.items()}, teacher
     )
 
 
@@ -169,6 +204,8 @@ async def replay(
     seed: int = 0,
     shuffle: bool = True,
     max_sample_tokens: int | None = None,
+    teacher: str | None = None,
+    routing: bool = False,
 ) -> AsyncIterator[TensorDict]:
     """The selected samples as `TensorDict` batches (layout: `trainer.collate`), in seeded order.
 
@@ -180,6 +217,10 @@ async def replay(
     pass's first batch names them in its non-tensor `skipped` entry (`skipped_entry`) so the
     step that trains it records them. With it, a sample longer than `token_budget` (but within
     the limit) gets a row, or a padded batch, of its own.
+    With `teacher`, batches carry that teacher's logprobs (`trainer.distill`); a selected sample
+    it has not scored is refused (`BadSelection`), as one without a reward is. With `routing`,
+    batches carry the routed experts the engine recorded (`routed_experts`, `trainer.routing`),
+    which the learner's forward then replays.
     """
     selection = selection or Selection()
     layout = Layout(batch_size, token_budget, pack)
@@ -207,16 +248,29 @@ async def replay(
             long_alone=max_sample_tokens is not None,
         )
 
-        async def fetch(chunk: list[list[list[int]]]) -> dict[uuid.UUID, Arrays]:
+        async def fetch(
+            chunk: list[list[list[int]]],
+        ) -> tuple[
+            dict[uuid.UUID, Arrays], dict[uuid.UUID, np.ndarray], dict[uuid.UUID, np.ndarray]
+        ]:
             ids = [ordered[i].sample_id for rows in chunk for row in rows for i in row]
-            return await read_arrays(store, version, ids)
+            arrays = await read_arrays(store, version, ids)
+            teachers = await teacher_arrays(store, arrays, teacher)
+            routed = await routed_arrays(store, version, ids) if routing else {}
+            if teacher is not None and (missing := unscored(ids, teachers)):
+                raise BadSelection(
+                    f"teacher {teacher!r} has not scored {len(missing)} selected samples (e.g. "
+                    f"{missing[0]}; the scoring_failures view says why if it tried): run "
+                    f"`trajstore score --teacher {teacher} ...` first"
+                )
+            return arrays, teachers, routed
 
         # Read the next chunk's arrays while this chunk's batches are built and trained on.
         chunks = _chunks(plan, READ_AHEAD_SAMPLES)
         pending = asyncio.ensure_future(fetch(chunks[0]))
         try:
             for k, chunk in enumerate(chunks):
-                arrays = await pending
+                arrays, teachers, routed = await pending
                 if k + 1 < len(chunks):
                     pending = asyncio.ensure_future(fetch(chunks[k + 1]))
                 for batch_rows in chunk:
@@ -224,7 +278,12 @@ async def replay(
                         [
                             [
                                 _sample(
-                                    e, arrays[e.sample_id], advantage_of[e.sample_id], selection
+                                    e,
+                                    arrays[e.sample_id],
+                                    advantage_of[e.sample_id],
+                                    selection,
+                                    teachers.get(e.sample_id),
+                                    routed.get(e.sample_id),
                                 )
                                 for e in (ordered[i] for i in row)
                             ]
@@ -297,6 +356,8 @@ class _Held:
     entry: IndexEntry
     arrays: Arrays
     advantage: float | None = None  # set once its group is complete
+    teacher: np.ndarray | None = None  # the teacher's logprobs, once it scored the sample
+    since: float = 0.0  # when the tail read it (the loop's clock)
 
 
 @dataclass
@@ -363,6 +424,8 @@ async def replay_live(
     read_limit: int = 1000,
     policy_version: Callable[[], int] | None = None,
     max_lag: int | None = None,
+    teacher: str | None = None,
+    teacher_wait: float = 60.0,
 ) -> AsyncIterator[tuple[TensorDict, LiveCheckpoint]]:
     """Batches of samples as their sessions finish, each with the checkpoint that follows it.
 
@@ -384,6 +447,10 @@ async def replay_live(
     each batch is made; batches carry each sample's staleness against it, and with `max_lag` a
     sample whose oldest turn is more than `max_lag` versions behind is dropped (never trained,
     not delivered again, logged), as is one whose version is unknown.
+
+    Distillation (`teacher`): a sample waits for that teacher's score (a scorer following the
+    run: `trajstore score --follow`) up to `teacher_wait` seconds, then goes without it
+    (`teacher_mask` false, logged), as one whose scoring failed does at once.
     """
     selection = selection or Selection()
     layout = Layout(batch_size, token_budget, pack)
@@ -406,13 +473,15 @@ async def replay_live(
                     state.held.pop(entry.sample_id, None)  # an older copy may be held
                     continue
                 state.held.pop(entry.sample_id, None)  # re-projected: keep the newest copy
-                state.held[entry.sample_id] = _Held(entry, arrays)
+                state.held[entry.sample_id] = _Held(entry, arrays, since=loop.time())
             _release_groups(state, group_size)
+            if teacher is not None:
+                await _await_teacher(store, state, teacher, loop.time() - teacher_wait)
             current = selection
             if policy_version is not None:
                 current = lag.at_version(selection, policy_version())
                 lag.drop_stale(state.held, state.delivered, current, max_lag)
-            for batch, after in _full_batches(state, layout, current):
+            for batch, after in _full_batches(state, layout, current, teacher):
                 yield batch, after
             if rows:
                 idle_since = loop.time()
@@ -438,15 +507,38 @@ async def _reload_pending(store: EventStore, pending: Sequence[str], state: _Liv
             state.held[sample_id] = _Held(entry, arrays)
 
 
+async def _await_teacher(
+    store: EventStore, state: _LiveState, teacher: str, expired: float
+) -> None:
+    """Read the teacher's scores of the held samples that have none yet; a sample still without
+    one that was read before `expired` (or whose scoring failed) goes on without it."""
+    waiting = {i: h for i, h in state.held.items() if h.teacher is None}
+    if not waiting:
+        return
+    found = await teacher_arrays(store, {i: h.arrays for i, h in waiting.items()}, teacher)
+    for sample_id, held in waiting.items():
+        if sample_id in found:
+            held.teacher = found[sample_id]
+        elif held.since < expired:
+            log.warning("live replay: no score of teacher %s for %s; trained without", teacher,
+                        sample_id)  # fmt: skip
+            held.teacher = np.full(held.entry.n_tokens, np.nan, np.float32)
+
+
 def _full_batches(
-    state: _LiveState, layout: Layout, selection: Selection
+    state: _LiveState, layout: Layout, selection: Selection, teacher: str | None = None
 ) -> Iterator[tuple[TensorDict, LiveCheckpoint]]:
     """The full batches the held samples make, each with the checkpoint right after it.
 
     Every planned batch but the last is full; the last is full only when padding to a
-    `batch_size` it reaches (a packed or budgeted one might take more samples later).
+    `batch_size` it reaches (a packed or budgeted one might take more samples later). With a
+    `teacher`, only samples whose score was read (or given up on) are ready.
     """
-    ready = [h for h in state.held.values() if h.advantage is not None]
+    ready = [
+        h
+        for h in state.held.values()
+        if h.advantage is not None and (teacher is None or h.teacher is not None)
+    ]
     if not ready:
         return
     plan = layout.plan([h.entry.n_tokens for h in ready], [h.entry.sample_id for h in ready])
@@ -458,7 +550,9 @@ def _full_batches(
             for i in row:
                 held = ready[i]
                 assert held.advantage is not None
-                samples.append(_sample(held.entry, held.arrays, held.advantage, selection))
+                samples.append(
+                    _sample(held.entry, held.arrays, held.advantage, selection, held.teacher)
+                )
                 del state.held[held.entry.sample_id]
                 state.delivered.add(str(held.entry.sample_id))
             rows.append(samples)

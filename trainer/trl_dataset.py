@@ -22,6 +22,7 @@ from trajstore.store import EventStore, sample_reads
 from trajstore.store.tokens import decode_logprobs, decode_token_ids
 from trajstore.trainer.advantages import group_advantages
 from trajstore.trainer.arrays import decode_arrays
+from trajstore.trainer.distill import read_teacher_logprobs
 from trajstore.trainer.selection import Selection
 
 if TYPE_CHECKING:
@@ -32,11 +33,13 @@ DATASET_COLUMNS = (
     "sample_id", "session_id", "run_id", "task_id", "group_id", "lineage", "role", "branch",
     "is_final", "status", "finish_reason", "reward", "advantage", "policy_version_min",
     "prompt_len", "input_ids",
-    "completion_mask", "logprobs", "token_versions",
+    "completion_mask", "logprobs", "token_versions", "teacher_logprobs",
 )  # fmt: skip
 
 
-async def read_samples_table(source: str | EventStore, selection: Selection | None = None) -> Any:
+async def read_samples_table(
+    source: str | EventStore, selection: Selection | None = None, teacher: str | None = None
+) -> Any:
     """The selected samples as a `pyarrow.Table` with `DATASET_COLUMNS` (see `samples_dataset`)."""
     import pyarrow as pa
 
@@ -44,6 +47,14 @@ async def read_samples_table(source: str | EventStore, selection: Selection | No
     store = source if isinstance(source, EventStore) else await EventStore.open(source, max_size=1)
     try:
         rows = await sample_reads.read_dataset(store, selection)
+        teachers = {}
+        if teacher is not None:
+            teachers = await read_teacher_logprobs(
+                store,
+                {r["sample_id"]: np.frombuffer(r["token_ids"], "<i4") for r in rows},
+                {r["sample_id"]: np.frombuffer(r["loss_mask"], np.uint8) for r in rows},
+                teacher,
+            )
     finally:
         if store is not source:
             await store.close()
@@ -67,6 +78,8 @@ async def read_samples_table(source: str | EventStore, selection: Selection | No
         decode_arrays(r["token_ids"], r["loss_mask"], r["logprobs"], r["version_spans"])[3]
         for r in rows
     ]
+    absent = [np.full(len(t), np.nan, np.float32) for t in tokens]
+    teacher_logprobs = [teachers.get(r["sample_id"], a) for r, a in zip(rows, absent, strict=True)]
     columns: dict[str, Any] = {
         "sample_id": pa.array([str(r["sample_id"]) for r in rows], pa.string()),
         "session_id": pa.array([r["session_id"] for r in rows], pa.string()),
@@ -87,11 +100,14 @@ async def read_samples_table(source: str | EventStore, selection: Selection | No
         "completion_mask": lists(masks, np.int8),
         "logprobs": lists(logprobs, np.float32),
         "token_versions": lists(versions, np.int32),
+        "teacher_logprobs": lists(teacher_logprobs, np.float32),
     }
     return pa.table({name: columns[name] for name in DATASET_COLUMNS})
 
 
-def samples_dataset(database_url: str, selection: Selection | None = None) -> Dataset:
+def samples_dataset(
+    database_url: str, selection: Selection | None = None, teacher: str | None = None
+) -> Dataset:
     """The samples of a recorded run (any `Selection`) as a `datasets.Dataset`, one row each.
 
     Rows are in sample id order. Columns (`DATASET_COLUMNS`): the sample's identity and outcome
@@ -104,13 +120,15 @@ def samples_dataset(database_url: str, selection: Selection | None = None) -> Da
     `logprobs` (float32, the behaviour logprobs; 0.0 where the mask is 0), `token_versions`
     (int32, the policy version that generated each token; -1 where none). `input_ids` and
     `completion_mask` are the columns TRL's `SFTTrainer` reads from a pre-tokenised
-    dataset (with `completion_only_loss=True`).
+    dataset (with `completion_only_loss=True`). `teacher_logprobs` (float32): with `teacher`,
+    that teacher's logprob of each generated token (`trajstore score`, `trainer.distill`), NaN
+    where it gave none (prompt tokens, an unscored sample); all NaN without.
 
     Every row is held in memory. From async code, `Dataset(await read_samples_table(...))`.
     """
     from datasets import Dataset
 
-    return Dataset(run_sync(lambda: read_samples_table(database_url, selection)))
+    return Dataset(run_sync(lambda: read_samples_table(database_url, selection, teacher)))
 
 
 T = TypeVar("T")

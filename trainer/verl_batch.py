@@ -17,6 +17,9 @@ verl made itself:
     position_ids        int64    [rows, P+R]  verl's `compute_position_id_with_mask`
     rollout_log_probs   float32  [rows, R]    the behaviour logprobs as recorded (0 where the
                                               mask is 0)
+    teacher_log_probs   float32  [rows, R]    a teacher's logprobs (`verl_batches(teacher=...)`,
+                                              `trainer.distill`; 0 where teacher_mask is 0)
+    teacher_mask        int64    [rows, R]    1 on response_mask tokens the teacher scored
     rm_scores           float32  [rows, R]    the session's reward on the last response token
     token_level_scores  float32  [rows, R]    the same (what verl's reward step writes)
     token_level_rewards float32  [rows, R]    the same (verl's name after its optional KL term)
@@ -70,6 +73,7 @@ from trajstore.trainer.replay import (
     open_store,
     read_rewarded_index,
     shuffled,
+    teacher_arrays,
 )
 from trajstore.trainer.selection import Selection
 
@@ -82,6 +86,8 @@ TENSOR_FIELDS = (
     "attention_mask",
     "position_ids",
     "rollout_log_probs",
+    "teacher_log_probs",
+    "teacher_mask",
     "rm_scores",
     "token_level_scores",
     "token_level_rewards",
@@ -144,6 +150,8 @@ class VerlRow:
     advantage: float = 0.0  #: the GRPO advantage of the row's rollout (its session)
     #: The policy version that generated each of the sample's tokens (-1: prompt, glue, unknown)
     token_versions: Any = None
+    #: A teacher's logprobs of the whole sample (NaN where absent), when one was asked for.
+    teacher: npt.NDArray[np.float32] | None = None
 
 
 def collate_verl(
@@ -181,6 +189,8 @@ def collate_verl(
     response_mask = np.zeros((n, width_r), dtype=np.int64)
     attention_mask = np.zeros((n, width_p + width_r), dtype=np.int64)
     rollout_log_probs = np.zeros((n, width_r), dtype=np.float32)
+    teacher_log_probs = np.zeros((n, width_r), dtype=np.float32)
+    teacher_mask = np.zeros((n, width_r), dtype=np.int64)
     for i, row in enumerate(rows):
         s = row.sample
         p, r = len(s.prompt_ids), len(s.response_ids)
@@ -188,6 +198,11 @@ def collate_verl(
         responses[i, :r] = s.response_ids
         response_mask[i, :r] = s.response_mask
         rollout_log_probs[i, :r] = s.response_logprobs
+        if row.teacher is not None:
+            teacher = row.teacher[p:]
+            scored = np.isfinite(teacher) & (s.response_mask == 1)
+            teacher_mask[i, :r] = scored
+            teacher_log_probs[i, :r] = np.where(scored, teacher, 0.0)
         attention_mask[i, width_p - p : width_p + r] = 1
     attention = torch.from_numpy(attention_mask)
     # As AgentLoopWorker._postprocess: the reward on the last response token (the last column
@@ -207,6 +222,8 @@ def collate_verl(
         "attention_mask": attention,
         "position_ids": compute_position_id_with_mask(attention),
         "rollout_log_probs": torch.from_numpy(rollout_log_probs),
+        "teacher_log_probs": torch.from_numpy(teacher_log_probs),
+        "teacher_mask": torch.from_numpy(teacher_mask),
         "rm_scores": scores,
         "token_level_scores": scores.clone(),
         "token_level_rewards": scores.clone(),
@@ -232,7 +249,11 @@ def collate_verl(
 
 
 def _row(
-    entry: IndexEntry, arrays: tuple[Any, Any, Any, Any], selection: Selection, advantage: float
+    entry: IndexEntry,
+    arrays: tuple[Any, Any, Any, Any],
+    selection: Selection,
+    advantage: float,
+    teacher: npt.NDArray[np.float32] | None = None,
 ) -> VerlRow:
     assert entry.reward is not None
     return VerlRow(
@@ -244,6 +265,7 @@ def _row(
         *selection.versions(entry.policy_version_min),
         advantage,
         arrays[3],
+        teacher,
     )
 
 
@@ -257,12 +279,14 @@ async def verl_batches(
     pad_token_id: int = 0,
     seed: int = 0,
     shuffle: bool = True,
+    teacher: str | None = None,
 ) -> AsyncIterator[DataProto]:
     """The selected samples as `DataProto` batches of `batch_size` rows (None: one batch).
 
     `source` is a database URL or an open `EventStore`. The order is `trainer.replay`'s (by id,
     then a permutation seeded by `seed`); arrays are read one batch at a time. Every selected
-    sample needs a reward (a GRPO/PPO update has nothing to learn from without one).
+    sample needs a reward (a GRPO/PPO update has nothing to learn from without one). With
+    `teacher`, rows carry its logprobs (`teacher_log_probs`, `teacher_mask`).
     """
     selection = selection or Selection()
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
@@ -280,8 +304,18 @@ async def verl_batches(
             chunk = ordered[start : start + size]
             ids: list[uuid.UUID] = [e.sample_id for e in chunk]
             arrays = await read_arrays(store, version, ids)
+            teachers = await teacher_arrays(store, arrays, teacher)
             yield collate_verl(
-                [_row(e, arrays[e.sample_id], selection, advantage_of[e.sample_id]) for e in chunk],
+                [
+                    _row(
+                        e,
+                        arrays[e.sample_id],
+                        selection,
+                        advantage_of[e.sample_id],
+                        teachers.get(e.sample_id),
+                    )
+                    for e in chunk
+                ],
                 prompt_length=prompt_length,
                 response_length=response_length,
                 pad_token_id=pad_token_id,

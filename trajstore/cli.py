@@ -31,6 +31,7 @@ LAZY_COMMANDS = {
     "demo": "trajstore.demo:demo",
     "run": "trajstore.trials:run",
     "train": "trajstore.train_cli:train",
+    "score": "trajstore.teacher:score",
 }
 
 

@@ -67,6 +67,9 @@ async def train_live(
 ) -> list[dict[str, float]]:
     """Train on run `run_id`'s samples as they arrive until `config.policies` versions exist.
 
+    With the learner distilling (`LearnerConfig.distill`), each sample waits for that teacher's
+    score (`trajstore.teacher.follow` running beside it) before it is trained on.
+
     With `agents`, they generate the run meanwhile (throttled by the lag); without, the samples
     come from elsewhere (`trajstore run`, your own agents). Each step publishes its policy and
     is recorded in the ledger as step N = policy version N. With `checkpoint_dir`, a checkpoint
@@ -95,6 +98,7 @@ async def train_live(
             store, Selection(runs=(run_id,)), batch_size=config.batch_size,
             group_size=config.group_size, checkpoint=live, policy_version=lambda: policy[0],
             max_lag=config.max_lag, poll_interval=0.1,
+            teacher=learner.config.distill.teacher if learner.config.distill else None,
         ):  # fmt: skip
             waited = time.perf_counter() - asked  # agents generating, projector, store
             # In threads: the proxy may share this event loop (`trajstore train` serves it).
@@ -189,4 +193,5 @@ def describe_step(m: dict[str, Any]) -> str:
         f"v{m['policy_version']:<3.0f} loss {m['loss']:+.4f}  batch reward {m['reward_mean']:.3f}"
         f"  lag {m['staleness_mean']:.1f}  tis-weight {m['tis_weight_mean']:.3f}"
         f"  step {m['step_seconds'] * 1e3:.0f} ms"
+        + (f"  reverse-kl {m['reverse_kl']:.3f}" if "reverse_kl" in m else "")
     )

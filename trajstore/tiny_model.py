@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,41 @@ def build_tiny_model(
         dtype="float32",
     )
     save_quietly(seeded_model(Qwen2ForCausalLM, config, seed), out_dir)
+    return out_dir
+
+
+def reweighted_copy(model_dir: Path, out_dir: Path, *, seed: int) -> Path:
+    """A copy of a generated model (tokenizer and config alike) with other random weights:
+    a second policy sharing the first one's tokenizer (a teacher for `trajstore.teacher`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in Path(model_dir).iterdir():
+        if path.is_file() and path.suffix != ".safetensors":
+            shutil.copy2(path, out_dir / path.name)
+    config = AutoConfig.from_pretrained(model_dir)
+    save_quietly(seeded_model(AutoModelForCausalLM.from_config, config, seed), out_dir)
+    return out_dir
+
+
+def build_tiny_moe(out_dir: Path, *, seed: int = 0, experts: int = 8, top_k: int = 2) -> Path:
+    """A tiny Qwen3-MoE-shaped chat model (2 MoE layers of `experts` experts, top-`top_k`)
+    with the generated tokenizer of `seed`: for routing replay (`trainer.routing`)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer(out_dir, seed=seed, vocab_size=512, max_positions=MAX_POSITIONS)
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: a field the stub omits
+        vocab_size=-(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=NUM_HEADS, num_key_value_heads=2,
+        head_dim=128 // NUM_HEADS, num_experts=experts, num_experts_per_tok=top_k,
+        norm_topk_prob=True, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
+        bos_token_id=SPECIAL_TOKENS.index(ENDOFTEXT), eos_token_id=SPECIAL_TOKENS.index(IM_END),
+        pad_token_id=SPECIAL_TOKENS.index(ENDOFTEXT), dtype="float32",
+    )  # fmt: skip
+    save_quietly(seeded_model(Qwen3MoeForCausalLM, config, seed), out_dir)
     return out_dir
 
 

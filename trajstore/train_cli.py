@@ -25,6 +25,7 @@ import click
 
 if TYPE_CHECKING:  # torch and the trainer load on use: `trajstore --help` stays fast
     from trajstore.live import LiveConfig
+    from trajstore.teacher import Teacher
     from trajstore.trainer.learner import LearnerConfig
     from trajstore.trainer.metrics_log import MetricsLog
 
@@ -44,7 +45,11 @@ class LiveServices:
 
 @contextlib.asynccontextmanager
 async def live_services(
-    database_url: str, base_model: Path, work_dir: Path, log_file: Path | None = None
+    database_url: str,
+    base_model: Path,
+    work_dir: Path,
+    log_file: Path | None = None,
+    proxy_port: int = 8700,
 ) -> AsyncIterator[LiveServices]:
     """Serve `base_model` (untied) on a dev-mode vLLM, and a proxy + projector on `database_url`."""
     from trajstore.proxy.options import free_port_from, proxy_settings
@@ -59,7 +64,7 @@ async def live_services(
     )  # fmt: skip
     engine_url = await asyncio.to_thread(engine.start)
     try:
-        settings = proxy_settings([engine_url], "127.0.0.1", 8700, True, None, "0")
+        settings = proxy_settings([engine_url], "127.0.0.1", proxy_port, True, None, "0")
         async with serving(settings, database_url, poll_interval=0.1) as running:
             yield LiveServices(database_url, engine_url, running.url, model_dir, work_dir)
     finally:
@@ -76,12 +81,15 @@ async def run_config(
     on_step: Callable[[dict[str, float]], None] | None = None,
     checkpoint_dir: Path | None = None,
     metrics_log: MetricsLog | None = None,
+    teacher: Teacher | None = None,
 ) -> dict[str, object]:
     """One live run from policy v0: eval on v0, train `config.policies` versions, eval again.
 
     The engine is reset to v0's weights first, so runs in one process start alike. With
     `metrics_log`, each step's metrics and the two evaluations' mean rewards (`eval/`, at step
-    0 and at the last version) are reported there too.
+    0 and at the last version) are reported there too. With a `teacher` (and
+    `learner_config.distill` naming it), a scorer follows the run meanwhile
+    (`trajstore.teacher.follow`) and the learner distills from its scores.
     """
     from trajstore.client import AsyncClient
     from trajstore.live import AgentPool, train_live
@@ -100,11 +108,22 @@ async def run_config(
             agents = AgentPool(client, SERVED_NAME, run_id, config)
             before = await agents.evaluate(f"{run_id}-eval-v0", eval_sessions)
             _report_eval(metrics_log, 0, before)
-            history = await train_live(
-                store, learner, publisher, config, run_id=run_id, training_run=run_id,
-                agents=agents, checkpoint_dir=checkpoint_dir, on_step=on_step,
-                metrics_log=metrics_log,
-            )  # fmt: skip
+            scoring = None
+            if teacher is not None:
+                from trajstore.teacher import follow
+
+                scoring = asyncio.create_task(follow(store, teacher, [run_id], poll_interval=0.2))
+            try:
+                history = await train_live(
+                    store, learner, publisher, config, run_id=run_id, training_run=run_id,
+                    agents=agents, checkpoint_dir=checkpoint_dir, on_step=on_step,
+                    metrics_log=metrics_log,
+                )  # fmt: skip
+            finally:
+                if scoring is not None:
+                    scoring.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await scoring
             after = await agents.evaluate(f"{run_id}-eval-v{config.policies}", eval_sessions)
             _report_eval(metrics_log, config.policies, after)
     finally:
@@ -155,11 +174,20 @@ def report(result: dict[str, object], policies: int) -> str:
 @click.option("--wandb-project", envvar="TRAJSTORE_WANDB_PROJECT", show_envvar=True,
               help="Report the metrics to this W&B project too (WANDB_MODE=offline: no "
               "network needed).")  # fmt: skip
+@click.option("--distill-from", "teacher_engine", default=None, metavar="URL",
+              help="Distill on-policy from this teacher vLLM engine (same tokenizer).")  # fmt: skip
+@click.option("--teacher-model", default="teacher", show_default=True,
+              help="The model the teacher engine serves (also its name).")  # fmt: skip
+@click.option("--distill-coef", default=1.0, show_default=True,
+              help="Weight of the per-token teacher advantage.")  # fmt: skip
+@click.option("--grpo-coef", default=1.0, show_default=True,
+              help="Weight of GRPO's advantage when distilling (0: none).")  # fmt: skip
 @click.pass_context
 def train(
     ctx: click.Context, policies: int, batch_size: int, group_size: int, max_lag: int, tis: bool,
     lr: float, eval_sessions: int, device: str, run_id: str | None, checkpoint_dir: Path | None,
     tensorboard_dir: Path | None, wandb_project: str | None,
+    teacher_engine: str | None, teacher_model: str, distill_coef: float, grpo_coef: float,
 ) -> None:  # fmt: skip
     """Agents through the proxy, trained on live as they finish; each policy published."""
     from trajstore.live import LiveConfig, describe_step
@@ -174,7 +202,14 @@ def train(
     settings = store_settings_of(ctx)
     config = LiveConfig(policies=policies, batch_size=batch_size, group_size=group_size,
                         max_lag=max_lag)  # fmt: skip
-    learner_config = LearnerConfig(device=device, lr=lr, importance_weights=tis)
+    teacher, distill = None, None
+    if teacher_engine is not None:
+        from trajstore.teacher import Teacher
+        from trajstore.trainer.distill import DistillConfig
+
+        teacher = Teacher(teacher_model, teacher_engine.rstrip("/"), teacher_model)
+        distill = DistillConfig(teacher_model, coef=distill_coef, grpo=grpo_coef)
+    learner_config = LearnerConfig(device=device, lr=lr, importance_weights=tis, distill=distill)
     with (
         open_metrics_log(
             run_id, [run_id], tensorboard_dir=tensorboard_dir, wandb_project=wandb_project
@@ -191,7 +226,7 @@ def train(
                 return await run_config(
                     services, config, learner_config, run_id=run_id,
                     eval_sessions=eval_sessions, on_step=lambda m: click.echo(describe_step(m)),
-                    checkpoint_dir=checkpoint_dir, metrics_log=metrics_log,
+                    checkpoint_dir=checkpoint_dir, metrics_log=metrics_log, teacher=teacher,
                 )  # fmt: skip
 
         result = asyncio.run(main())

@@ -10,7 +10,7 @@ square of a session. New columns go last, so `CREATE OR REPLACE` keeps the view'
 downgrade drops and recreates both views (`trajectories` reads `turns`) and grants them again.
 
 Revision ID: 0020_turns_without_recursion
-Revises: 0017_partition_keys
+Revises: 0019_side_data
 Create Date: 2026-11-27
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from alembic import op
 
 revision: str = "0020_turns_without_recursion"
-down_revision: str | None = "0017_partition_keys"
+down_revision: str | None = "0019_side_data"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -21,6 +21,12 @@ Tokenisation is fake but keeps the property the recorder relies on:
   ``<|vision_end|>``, with Qwen2-VL's ids. Without it, image parts add nothing, as before.
 - ``model_root``: the path ``/v1/models`` reports as the model's ``root`` (vLLM: the directory
   it loaded; default the model name), e.g. a generated tiny model whose tokenizer a reader loads.
+- ``routed_experts=(layers, top_k, n_experts)``: as vLLM with ``--enable-return-routed-experts``
+  (its ``ChatCompletionResponseChoice`` / ``CompletionResponseChoice.routed_experts``), each
+  choice of a whole answer carries ``routed_experts``: base64 of an ``.npy`` array (uint8 up to
+  256 experts, as vLLM narrows) of shape (prompt + completion - 1 - routed_experts_prompt_start,
+  layers, top_k), row p routing position p (``expert_ids``); vLLM 0.32 streams none, the fake
+  puts it on each choice's last stream chunk, so that the proxy's streaming path is exercised.
 - ``detokenize=True``: ``POST /detokenize`` answers ``{"model"?, "tokens": [...]}`` with
   ``{"prompt": text}``, as vLLM does, each id rendered by ``token_text``; without it, a 404.
 
@@ -40,7 +46,9 @@ turn k's prompt + completion ids: a reply cut by ``length`` is followed by the t
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
+import io
 import random
 import re
 import time
@@ -51,6 +59,7 @@ from functools import partial
 from types import TracebackType
 from typing import Any
 
+import numpy as np
 import orjson
 from aiohttp import web
 
@@ -155,6 +164,25 @@ def _error(status: int, message: str) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(err), content_type="application/json")
 
 
+def expert_ids(
+    ids: list[int], start: int, layers: int, top_k: int, n_experts: int
+) -> np.ndarray[Any, Any]:
+    """The fake's routing of positions start.. of `ids` (all but the last): row p, layer l has
+    the top_k consecutive experts from (7 * ids[p] + 3 * l) mod n_experts."""
+    rows = np.asarray(ids[start : max(len(ids) - 1, start)], np.int64)
+    base = (7 * rows[:, None] + 3 * np.arange(layers)[None, :]) % n_experts
+    experts = (base[:, :, None] + np.arange(top_k)[None, None, :]) % n_experts
+    return experts.astype(np.uint8 if n_experts <= 256 else np.uint16).reshape(
+        len(rows), layers, top_k
+    )
+
+
+def _encoded(array: np.ndarray[Any, Any]) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def _sse(obj: JSON) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
@@ -257,12 +285,14 @@ class FakeEngine:
         tool_policy: Callable[[JSON], JSON | None] | None = None,
         versioned: bool = False,
         fail_reload: bool = False,
+        routed_experts: tuple[int, int, int] | None = None,
     ) -> None:
         self.model_name = model_name
         self.versioned = versioned
         self.version = "0"
         self.fail_reload = fail_reload
         self.reloads: list[str] = []  # weights_path of each reload
+        self.routed_experts = routed_experts  # (layers, top_k, n_experts): see the docstring
         self.completion_tokens = completion_tokens  # caps max_tokens; below it the answer stops
         self.finish_with_eos = finish_with_eos
         self.token_delay = token_delay
@@ -522,6 +552,13 @@ class FakeEngine:
         p, done = len(prompt), sum(len(ids) for ids, _ in choices)
         usage = {"prompt_tokens": p, "total_tokens": p + done, "completion_tokens": done}
         prompt_ids = prompt if rti else None
+        routed: list[str | None] = [None] * n
+        if self.routed_experts is not None:
+            start = int(body.get("routed_experts_prompt_start") or 0)
+            routed = [
+                _encoded(expert_ids(prompt + ids, start, *self.routed_experts))
+                for ids, _ in choices
+            ]
 
         if not stream:
             out: list[JSON] = []
@@ -539,7 +576,7 @@ class FakeEngine:
                 c |= {"stop_reason": None, "token_ids": choice_ids if rti else None}
                 if not chat:
                     c |= {"prompt_logprobs": None, "prompt_token_ids": prompt_ids}
-                out.append(c | {"routed_experts": None})
+                out.append(c | {"routed_experts": routed[i]})
             full: JSON = {**head, "choices": out, "service_tier": None}
             full |= {"system_fingerprint": FINGERPRINT, "usage": usage | _USAGE_NULLS}
             if chat:
@@ -573,6 +610,8 @@ class FakeEngine:
                 ch["finish_reason"] = finish if last else None
                 if last:
                     ch["stop_reason"] = None
+                    if routed[i] is not None:
+                        ch["routed_experts"] = routed[i]
                 if rti:
                     ch["token_ids"] = [tid]
                     if not chat and j == 0:  # completions: prompt ids in each choice's first chunk

@@ -107,15 +107,17 @@ async def test_migrations_produce_exactly_the_declared_schema(
     for name in CATALOG_QUERIES:
         assert migrated[name] == declared[name], name
     assert len(migrated["triggers"]) == 6
-    assert len(migrated["functions"]) == 5
+    assert len(migrated["functions"]) == 7  # with side data's two decoders
     assert migrated["partitions"] == [("events", "events_default")]
     assert [view for view, _ in migrated["views"]] == [
-        "policy_switches", "sample_versions", "trajectories", "turn_versions", "turns"
+        "policy_switches", "sample_versions", "scoring_failures", "side_data", "trajectories",
+        "turn_versions", "turns",
     ]  # fmt: skip
     grants = {(who, table, what) for who, table, what in migrated["grants"]}
     assert {(t, w) for who, t, w in grants if who == "trajstore_reader"} == {
         ("samples", "SELECT"), ("trajectories", "SELECT"), ("turns", "SELECT"),
         ("policy_switches", "SELECT"), ("turn_versions", "SELECT"), ("sample_versions", "SELECT"),
+        ("side_data", "SELECT"), ("scoring_failures", "SELECT"),
     }  # fmt: skip
     # The proxy's role reads and appends events (and reads the keys that guard their uniqueness)
     # and nothing else; the projector's reads events.
