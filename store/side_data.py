@@ -318,7 +318,7 @@ FIRST = uuid.UUID(int=0)
 
 
 async def unscored_samples(
-    conn: asyncpg.Connection,
+    reader: EventStore | asyncpg.Connection,
     runs: Sequence[str] | None,
     *,
     kind: str,
@@ -329,7 +329,7 @@ async def unscored_samples(
     """Samples (id, session, run, packed tokens, mask, behaviour logprobs) of `runs` (None:
     all) that `source` has not scored for `kind`, by id after `after`: what a scorer does next.
     A sample scored in the meantime is left out, so a restarted scorer scores nothing twice."""
-    rows: list[asyncpg.Record] = await conn.fetch(
+    rows: list[asyncpg.Record] = await reader.fetch(
         queries.UNSCORED_SAMPLES, list(runs) if runs else None, kind, source, after, limit
     )
     return rows

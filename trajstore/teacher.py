@@ -286,11 +286,9 @@ async def score_run(
         after: uuid.UUID = FIRST
         page = teacher.batch_size * teacher.concurrency * 4
         while True:
-            async with store.pool.acquire() as conn:
-                rows = await unscored_samples(
-                    conn, runs, kind=TEACHER_LOGPROBS, source=teacher.name, after=after,
-                    limit=page,
-                )  # fmt: skip
+            rows = await unscored_samples(
+                store, runs, kind=TEACHER_LOGPROBS, source=teacher.name, after=after, limit=page
+            )
             if not rows:
                 return report
             after = rows[-1]["sample_id"]
