@@ -6,8 +6,10 @@ task: reward and per-token reverse KL to the teacher, step by step, in the same 
 
 1. The teacher: v0 (the generated tiny model) trained by the live loop (`trajstore train`'s:
    toy agents through the proxy on a real vLLM, lag 0, batches of 16) for `--teacher-steps`
-   policies on the toy task (answer with digits), or a policy given with `--teacher-dir`.
-   Served by a real vLLM (CPU build) for scoring.
+   policies on the toy task (answer with digits); with `--teacher-from recipe`, by the same
+   on-policy GRPO steps the students take, in this process (no agents: what a loaded machine
+   can finish); or a policy given with `--teacher-dir`. Served by a real vLLM (CPU build) for
+   scoring.
 2. Two students from the same v0, `--steps` steps each, the same samples per step (sessions
    sampled from the student itself, recorded as the proxy records them, projected):
      GRPO     the recipe's loss on the session rewards;
@@ -181,6 +183,14 @@ async def compare(
     """Train (or take) the teacher, serve it, run both students; their figures."""
     if args.teacher_dir is not None:
         teacher_dir, teacher_rewards = args.teacher_dir, list[float]()
+    elif args.teacher_from == "recipe":
+        print(f"teacher: the recipe's on-policy GRPO, {args.teacher_steps} steps from v0")
+        async with await EventStore.open(url) as store:
+            history, teacher_dir = await train(
+                store, base, work, "teacher", args.teacher_steps, args,
+                on_step=lambda s, f: print(f"  teacher v{s}: reward {f['reward']:.3f}", flush=True),
+            )  # fmt: skip
+        teacher_rewards = [h["reward"] for h in history]
     else:
         print(f"teacher: the live loop, {args.teacher_steps} policies from v0", flush=True)
         teacher_dir, base, teacher_rewards, (before, after) = await live_teacher(
@@ -245,6 +255,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--subjects", type=int, default=12, help="GRPO groups per step")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-2)
+    parser.add_argument("--teacher-from", choices=("live", "recipe"), default="live",
+                        help="train the teacher by the live loop (vLLM, proxy, agents) or by "
+                        "the same on-policy GRPO steps in this process")  # fmt: skip
     parser.add_argument("--teacher-dir", type=Path, default=None,
                         help="a trained policy as the teacher (skips training one)")  # fmt: skip
     parser.add_argument("--eval-sessions", type=int, default=32,

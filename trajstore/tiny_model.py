@@ -238,7 +238,7 @@ def build_tiny_moe(out_dir: Path, *, seed: int = 0, experts: int = 8, top_k: int
 
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(out_dir, seed=seed, vocab_size=512, max_positions=MAX_POSITIONS)
-    config = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: a field the stub omits
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: a config attribute
         vocab_size=-(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
         hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
         num_hidden_layers=2, num_attention_heads=NUM_HEADS, num_key_value_heads=2,
