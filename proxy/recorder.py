@@ -24,13 +24,14 @@ from trajstore.proxy.continuation import RENDERED, Plan
 from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, referenced, referenced_body
 from trajstore.proxy.lineages import Ending, SessionTurns, Turn, messages_key, render_key
 from trajstore.proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
-from trajstore.store import BadEvent, EventType, EventWriter, NewEvent, request_stream
-from trajstore.store.payloads import Payload, VersionSpan, dump
+from trajstore.store import BadEvent, EventWriter, NewEvent, request_stream
+from trajstore.store.payloads import Payload, VersionSpan, dump, stored
 from trajstore.store.payloads_request import (
     CompletionChunk,
     CompletionFinished,
     Continuation,
     FinishedChoice,
+    ImageRecorded,
     MessagesPrefix,
     PromptPrefix,
     PromptTokens,
@@ -64,14 +65,21 @@ def _prompt_source(plan: Plan) -> dict[str, Any]:
         request_id = None if plan.turn is None else plan.turn.request_id
         # drift_at is there only when measured (an audited turn): null would say "no drift".
         if plan.audit:
-            continued = Continuation(
-                request_id=request_id, choice=plan.choice, audit=True, drift_at=plan.drift_at
+            continued = stored(
+                Continuation,
+                request_id=request_id,
+                choice=plan.choice,
+                audit=True,
+                drift_at=plan.drift_at,
             )
         else:
-            continued = Continuation(request_id=request_id, choice=plan.choice, audit=False)
+            continued = stored(Continuation, request_id=request_id, choice=plan.choice, audit=False)
         return {"prompt_source": "continued", "continuation": continued}
     if plan.fallback is not None:
-        return {"prompt_source": "rendered", "continuation": Continuation(fallback=plan.fallback)}
+        return {
+            "prompt_source": "rendered",
+            "continuation": stored(Continuation, fallback=plan.fallback),
+        }
     return {"prompt_source": "rendered"}
 
 
@@ -229,13 +237,16 @@ class RequestRecorder:
                 self.candidates = self.turns.continued_by(self._messages[1])
         if api == "chat" and isinstance(recorded, list):
             # Only chat stores messages by reference: the other APIs' bodies are their own.
-            reference = self._messages_reference()
-            if reference is not None:
-                payload["body"] = {**body, "messages": recorded[reference.n_messages :]}
-                payload["messages_prefix"] = reference
+            continued = self._messages_continued()
+            if continued is not None:
+                n_messages = continued.n_messages
+                payload["body"] = {**body, "messages": recorded[n_messages:]}
+                payload["messages_prefix"] = stored(
+                    MessagesPrefix, request_id=continued.request_id, n_messages=n_messages
+                )
             elif recorded is not messages:
                 payload["body"] = {**body, "messages": recorded}
-        return self._event(RequestReceived(**payload))
+        return self._event(RequestReceived, stored(RequestReceived, **payload))
 
     def _take_images(
         self, messages: list[Any], payload: dict[str, Any], images: list[ImagePart]
@@ -255,7 +266,7 @@ class RequestRecorder:
             payload["image_token_id"] = self.image_token_id
         for sha256, image in found.images.items():
             if sha256 not in self._images:
-                self._outbox.append(self._event(image.payload()))
+                self._outbox.append(self._event(ImageRecorded, dump(image.payload())))
         self._images = self._images | found.images.keys()
         self.turns.images = self._images  # later requests of the session refer to them
         return found.messages
@@ -265,9 +276,9 @@ class RequestRecorder:
         """The request's messages as orjson serialises them (chat; b"" otherwise)."""
         return self._messages[1]
 
-    def _messages_reference(self) -> MessagesPrefix | None:
-        """The deepest remembered chat turn whose messages this request repeats first, as
-        `messages_prefix` (then its body stores only the rest); else None.
+    def _messages_continued(self) -> Turn | None:
+        """The deepest remembered chat turn whose messages this request repeats first, which
+        `messages_prefix` names (then its body stores only the rest); else None.
 
         Found by the messages' serialisation (`SessionTurns.continued_by`): `[A,B]` and
         `[A,B,C]` agree up to the former's closing bracket, where the latter has a comma, and
@@ -275,7 +286,7 @@ class RequestRecorder:
         """
         for turn in self.candidates:
             if turn.api == "chat" and turn.n_messages:
-                return MessagesPrefix(request_id=turn.request_id, n_messages=turn.n_messages)
+                return turn
         return None
 
     def generating_on(self, version: str) -> None:
@@ -358,7 +369,7 @@ class RequestRecorder:
                 )  # fmt: skip
                 if side is not None:
                     await self.emit(side)
-        choices = []
+        choices, endings = [], []
         for index in sorted(self._choices):
             buffer = self._choices[index]
             choice: dict[str, Any] = {
@@ -372,33 +383,33 @@ class RequestRecorder:
             if self.finish_reason_in_api is not None:
                 ending = self.finish_reason_in_api(buffer.finish_reason, buffer.stop_reason)
                 choice["api_finish_reason"] = ending
-            choices.append(FinishedChoice(**choice))
+            choices.append(stored(FinishedChoice, **choice))
+            endings.append(
+                Ending(
+                    b"".join(self._completions.get(index, ())),
+                    buffer.finish_reason,
+                    buffer.stop_reason,
+                    choice["message"],
+                )
+            )
         now = time.monotonic()
-        finished = CompletionFinished(
+        finished = stored(
+            CompletionFinished,
             choices=choices,
             usage=usage,
             latency_s=now - self.started,
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.started,
         )
-        await self.emit(self._event(finished))
+        await self.emit(self._event(CompletionFinished, finished))
         self.ended = True
         # A later turn may reference and continue this one, once it is whole.
         whole = sorted(self._choices) == list(range(len(self._choices)))
         if self.on_completed is not None and self._prompt is not None and whole:
-            self.on_completed(self._as_turn(choices), self._extended(), self.plan.turn)
-        if self.on_ended is not None:
-            self.on_ended(self, finished)
+            self.on_completed(self._as_turn(tuple(endings)), self._extended(), self.plan.turn)
+        if self.on_ended is not None:  # a tracer's (`proxy.tracing`): the typed payload
+            self.on_ended(self, CompletionFinished.read(finished))
 
-    def _as_turn(self, finished: list[FinishedChoice]) -> Turn:
-        endings = tuple(
-            Ending(
-                b"".join(self._completions.get(c.index, ())),
-                c.finish_reason,
-                c.stop_reason,
-                c.message,
-            )
-            for c in finished
-        )
+    def _as_turn(self, endings: tuple[Ending, ...]) -> Turn:
         n_messages, messages = self._messages
         prompt = self._prompt or b""
         key = messages_key(messages) if messages else b""
@@ -434,7 +445,7 @@ class RequestRecorder:
             if self._versions
             else None,
         )
-        await self.emit(self._event(failure))
+        await self.emit(self._event(RequestFailed, dump(failure)))
         self.ended = True
         if self.on_ended is not None:
             self.on_ended(self, failure)
@@ -479,22 +490,23 @@ class RequestRecorder:
         self._reference = reference
         shared = 0 if reference is None else shared_prefix(packed, reference.tokens)
         if reference is None or shared < MIN_SHARED_TOKENS:
-            return self._event(PromptTokens(**payload), token_ids=ids)
-        payload["prefix"] = PromptPrefix(request_id=reference.request_id, n_tokens=shared)
+            return self._event(PromptTokens, stored(PromptTokens, **payload), token_ids=ids)
+        payload["prefix"] = stored(PromptPrefix, request_id=reference.request_id, n_tokens=shared)
         payload["n_tokens"] = len(ids)
-        return self._event(PromptTokens(**payload), token_ids=ids[shared:])
+        return self._event(PromptTokens, stored(PromptTokens, **payload), token_ids=ids[shared:])
 
     def _event(
         self,
-        payload: Payload,
+        kind: type[Payload],
+        payload: dict[str, Any],
         *,
         token_ids: list[int] | np.ndarray | None = None,
         logprobs: list[float] | None = None,
     ) -> NewEvent:
-        event_type = EventType(payload.event_type)
+        """The event of `kind` storing `payload` (`payloads.stored(kind, ...)`, or a dump)."""
         try:
             return NewEvent(
-                event_type,
+                kind.event_type,  # type: ignore[arg-type]  # NewEvent makes it an EventType
                 session_id=self.session_id,
                 run_id=self.run_id,
                 payload=payload,
@@ -507,8 +519,8 @@ class RequestRecorder:
         # PostgreSQL's jsonb cannot hold U+0000, which models do emit (and tool output may
         # carry). The text in a payload is for people; the token ids are the record, and they
         # are kept exactly. So NUL becomes U+FFFD in the text, and the event says so.
-        cleaned = type(payload).read({**_without_nul(dump(payload)), "nul_replaced": True})
-        return self._event(cleaned, token_ids=token_ids, logprobs=logprobs)
+        cleaned = kind.read({**_without_nul(payload), "nul_replaced": True})
+        return self._event(kind, dump(cleaned), token_ids=token_ids, logprobs=logprobs)
 
     def _take(self, buffer: _ChoiceBuffer, choice: ChoiceTokens) -> None:
         if choice.token_ids and self.first_token_at is None:
@@ -562,7 +574,8 @@ class RequestRecorder:
             return
         logprobs = buffer.logprobs if buffer.logprobs_complete else None
         event = self._event(
-            CompletionChunk(choice=index, text="".join(buffer.text)),
+            CompletionChunk,
+            CompletionChunk.stored(index, "".join(buffer.text)),
             token_ids=buffer.token_ids,
             logprobs=logprobs,
         )

@@ -2,11 +2,12 @@
 
 Each fixture in tests/fixtures/golden was recorded by a release's own proxy, recorder and
 projector (`tests/fixtures/golden/record.py`, run from that release's tree): its events, every
-column needed to insert them again, and the samples that release built from them. Here a
-database is migrated to that release's revision, given the events as that release stored them,
-migrated to head, and projected by today's code: each sample must come out as the release built
-it, token ids, loss mask and behaviour logprobs byte for byte. A change to how an old payload is
-read (an upcaster, a default, a field's meaning) that moves one token fails here.
+column needed to insert them again, how that release read each session back, and the samples it
+built from them. Here a database is migrated to that release's revision, given the events as
+that release stored them, and migrated to head; today's code must read every session as the
+release did (each turn's whole prompt, each choice's tokens and logprobs) and project the
+samples it built, token ids, loss mask and behaviour logprobs byte for byte. A change to how an
+old payload is read (an upcaster, a default, a field's meaning) that moves one token fails here.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import numpy as np
 import orjson
 import pytest
 
 from trajstore.store import EventStore, migrations
 from trajstore.store.projection import Projector
+from trajstore.store.sessions import SessionRecord, rebuild_session
 
 GOLDEN = Path(__file__).parents[1] / "fixtures" / "golden"
 FIXTURES = sorted(p.name for p in GOLDEN.glob("*.json.gz"))
@@ -118,6 +121,36 @@ def _trained(samples: list[dict[str, Any]]) -> list[tuple[int, bytes]]:
     return sorted(tokens)
 
 
+def _packed(values: Any, dtype: str) -> dict[str, str]:
+    return {"b64": base64.b64encode(np.asarray(list(values), dtype=dtype).tobytes()).decode()}
+
+
+def _as_read(record: SessionRecord) -> dict[str, Any]:
+    """A rebuilt session in the fixture's terms (`record.py`'s `_sessions_as_read`)."""
+    return {
+        "status": record.status,
+        "reward": record.reward,
+        "discarded": record.discarded,
+        "turns": [
+            {
+                "request_id": turn.request_id,
+                "status": turn.status,
+                "prompt": _packed(turn.prompt_token_ids, "<i4"),
+                "choices": [
+                    {
+                        "index": index,
+                        "token_ids": _packed(choice.token_ids, "<i4"),
+                        "logprobs": _packed(choice.logprobs, "<f4"),
+                        "finish_reason": choice.finish_reason,
+                    }
+                    for index, choice in sorted(turn.choices.items())
+                ],
+            }
+            for turn in record.turns
+        ],
+    }
+
+
 def _by_session(samples: Any) -> dict[str, list[dict[str, Any]]]:
     sessions: dict[str, list[dict[str, Any]]] = {}
     for sample in samples:
@@ -134,6 +167,13 @@ async def test_an_old_log_rebuilds_into_the_samples_its_release_built(
     await asyncio.to_thread(migrations.upgrade, empty_database_url, fixture["revision"])
     await insert_events(empty_database_url, fixture["events"])
     await asyncio.to_thread(migrations.upgrade, empty_database_url)
+
+    # Every session reads as its release read it: each turn's whole prompt, each choice's
+    # tokens, logprobs and ending, byte for byte, whatever the projection makes of them.
+    async with await EventStore.open(empty_database_url) as store:
+        for session_id, then in fixture["sessions"].items():
+            now = rebuild_session(session_id, await store.read_session(session_id))
+            assert _as_read(now) == then, f"{release}: session {session_id} reads otherwise"
 
     rebuilt = await rebuilt_samples(empty_database_url)
 

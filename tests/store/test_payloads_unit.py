@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from trajstore.store import BadEvent, EventType, NewEvent, catalogue
-from trajstore.store.payloads import PAYLOADS, VERSION_KEY, dump, load
+from trajstore.store.payloads import PAYLOADS, VERSION_KEY, dump, load, stored
 from trajstore.store.payloads_request import (
     CompletionChunk,
     Continuation,
@@ -98,6 +98,16 @@ def test_what_the_recorder_stores_today_reads_back_as_written() -> None:
 def test_the_projectors_chunk_reading_is_the_contracts(stored: dict[str, Any]) -> None:
     chunk = CompletionChunk.read(stored)
     assert CompletionChunk.fields(stored) == (chunk.choice, chunk.text)
+
+
+def test_what_the_recorder_builds_without_models_is_what_the_models_store() -> None:
+    chunk = CompletionChunk(choice=2, text="t7 ")
+    assert CompletionChunk.stored(2, "t7 ") == dump(chunk)
+    continued = {"request_id": "r1", "choice": 0, "audit": True, "drift_at": None}
+    fields = {"choice": None, "prompt_source": "continued", "continuation": continued}
+    assert stored(PromptTokens, **fields) == dump(PromptTokens(**fields))
+    with pytest.raises(TypeError, match="declares no"):
+        stored(PromptTokens, choise=None)
 
 
 def test_a_policy_version_sent_as_a_number_reads_as_text() -> None:
