@@ -2,8 +2,8 @@
 
     from trajstore.client import Client
 
-    with Client("http://127.0.0.1:8400") as trajstore:
-        with trajstore.session("my-run", task_id="task-1", group_id="task-1") as session:
+    with Client("http://127.0.0.1:8400") as proxy:
+        with proxy.session("my-run", task_id="task-1", group_id="task-1") as session:
             agent = openai.OpenAI(base_url=session.base_url, api_key=session.api_key)
             ...                                   # the agent works through the proxy
             session.reward(1.0)
