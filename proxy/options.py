@@ -60,55 +60,23 @@ def proxy_options(command: F) -> F:
     return command
 
 
+# fmt: off
 _OPTIONS = [
-    click.option(
-        "--engine",
-        "engines",
-        multiple=True,
-        envvar="TRAJSTORE_ENGINES",
-        show_envvar=True,
-        help="Base URL of an engine (vLLM OpenAI server); repeat for several. "
-        "Env: comma-separated.",
-    ),
-    click.option(
-        "--host",
-        envvar="TRAJSTORE_HOST",
-        show_envvar=True,
-        default="127.0.0.1",
-        show_default=True,
-        help="Address to listen on.",
-    ),
-    click.option(
-        "--port",
-        envvar="TRAJSTORE_PORT",
-        show_envvar=True,
-        default=8400,
-        type=int,
-        show_default=True,
-        help="Port to listen on.",
-    ),
-    click.option(
-        "--next-free-port",
-        is_flag=True,
-        help="If the port is taken, use the next free one instead of failing.",
-    ),
-    click.option(
-        "--public-url",
-        envvar="TRAJSTORE_PUBLIC_URL",
-        show_envvar=True,
-        help="URL agents reach the proxy at [default: http://HOST:PORT].",
-    ),
-    click.option(
-        "--policy-version",
-        envvar="TRAJSTORE_POLICY_VERSION",
-        show_envvar=True,
-        default="0",
-        show_default=True,
-        help="Policy version of the engines.",
-    ),
-    click.option(
-        "--relays-only",
-        is_flag=True,
-        help="Start with no --engine: serve only engines whose relays dial in (trajstore relay).",
-    ),
+    click.option("--engine", "engines", multiple=True, envvar="TRAJSTORE_ENGINES",
+                 show_envvar=True, help="Base URL of an engine (vLLM OpenAI server); repeat for "
+                 "several. Env: comma-separated."),
+    click.option("--host", envvar="TRAJSTORE_HOST", show_envvar=True, default="127.0.0.1",
+                 show_default=True, help="Address to listen on."),
+    click.option("--port", envvar="TRAJSTORE_PORT", show_envvar=True, default=8400, type=int,
+                 show_default=True, help="Port to listen on."),
+    click.option("--next-free-port", is_flag=True,
+                 help="If the port is taken, use the next free one instead of failing."),
+    click.option("--public-url", envvar="TRAJSTORE_PUBLIC_URL", show_envvar=True,
+                 help="URL agents reach the proxy at [default: http://HOST:PORT]."),
+    click.option("--policy-version", envvar="TRAJSTORE_POLICY_VERSION", show_envvar=True,
+                 default="0", show_default=True, help="Policy version of the engines."),
+    click.option("--relays-only", is_flag=True,
+                 help="Start with no --engine: serve only engines whose relays dial in "
+                      "(trajstore relay)."),
 ]
+# fmt: on

@@ -15,7 +15,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import asyncpg
 
@@ -24,26 +24,54 @@ from trajstore.store.eventstore import EventStore
 from trajstore.store.queries import SERVED_SAMPLES_VERSION
 
 #: Where samples are read from: the store's pool, or one connection.
-Source = EventStore | asyncpg.Connection
+Source: TypeAlias = "EventStore | asyncpg.Connection"
 
 
 class SampleCriteria(Protocol):
-    """What a selection of samples says (`trainer.selection.Selection` documents each)."""
+    """What a selection of samples says (`trainer.selection.Selection` documents each); read
+    only, as a frozen dataclass holds it."""
 
-    runs: tuple[str, ...]
-    since: datetime | None
-    until: datetime | None
-    min_policy_version: int | None
-    max_policy_version: int | None
-    min_reward: float | None
-    max_reward: float | None
-    statuses: tuple[str, ...]
-    tags: tuple[str, ...]
-    final_only: bool
-    rollouts: bool
-    max_staleness: int | None
-    current_policy_version: int | None
-    projection_version: int | None
+    @property
+    def runs(self) -> tuple[str, ...]: ...
+
+    @property
+    def since(self) -> datetime | None: ...
+
+    @property
+    def until(self) -> datetime | None: ...
+
+    @property
+    def min_policy_version(self) -> int | None: ...
+
+    @property
+    def max_policy_version(self) -> int | None: ...
+
+    @property
+    def min_reward(self) -> float | None: ...
+
+    @property
+    def max_reward(self) -> float | None: ...
+
+    @property
+    def statuses(self) -> tuple[str, ...]: ...
+
+    @property
+    def tags(self) -> tuple[str, ...]: ...
+
+    @property
+    def final_only(self) -> bool: ...
+
+    @property
+    def rollouts(self) -> bool: ...
+
+    @property
+    def max_staleness(self) -> int | None: ...
+
+    @property
+    def current_policy_version(self) -> int | None: ...
+
+    @property
+    def projection_version(self) -> int | None: ...
 
 
 #: A lineage's last branch (`store.samples.rollout_rows`), over the unaliased `samples` table.
