@@ -36,13 +36,14 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any, TypedDict, TypeVar, Unpack
+from typing import Any, TypeVar
 
 try:
     import httpx
 except ImportError as exc:  # a store-only install: the client is an extra
     raise ImportError("trajstore.client needs httpx: pip install 'trajstore[client]'") from exc
 
+from trajstore.proxy.sessions import CreateSession
 from trajstore.store.eventstore import EventStore
 from trajstore.store.recorded import recorded_samples, recorded_session
 from trajstore.store.samples import Sample
@@ -74,17 +75,6 @@ class ProxyRefused(ClientError):
 
 class SessionClosed(ProxyRefused):
     """The session is finished, discarded or past its deadline (409)."""
-
-
-class SessionFields(TypedDict, total=False):
-    """What a new session may say besides its run (`POST /sessions`)."""
-
-    task_id: str | None
-    group_id: str | None  #: sessions of one GRPO group
-    deadline_s: float | None  #: the proxy refuses the agent's calls past it, and finishes it
-    metadata: dict[str, Any] | None  #: `{"tags": [...]}` tags its samples
-    session_id: str | None  #: your own id: creating it again returns the same session
-    rate_limit: dict[str, Any] | None  #: the run's limits on each replica (`proxy.admission`)
 
 
 @dataclass(frozen=True)
@@ -131,8 +121,10 @@ class _Calls:
     def admin(self, method: str, path: str, body: Any = None) -> httpx.Request:
         return httpx.Request(method, f"{self.url}{path}", json=body, headers=self.admin_headers)
 
-    def create(self, run_id: str, fields: SessionFields) -> httpx.Request:
-        body = {"run_id": run_id, **{k: v for k, v in fields.items() if v is not None}}
+    def create(self, run_id: str, fields: dict[str, Any]) -> httpx.Request:
+        # The proxy's own model of the body (pydantic only, no server): a misspelt or
+        # ill-typed field fails here, naming it, before anything is sent.
+        body = CreateSession(run_id=run_id, **fields).model_dump(mode="json", exclude_none=True)
         return self.admin("POST", "/sessions", body)
 
     @staticmethod
@@ -243,12 +235,14 @@ class Client(_ClientBase):
             raise ProxyUnreachable(f"{request.method} {request.url}: {exc!r}") from exc
         return self.calls.answer(request, response)
 
-    def create_session(self, run_id: str, **fields: Unpack[SessionFields]) -> Session:
-        """`POST /sessions` (`SessionFields`); the same `session_id` again returns it again."""
+    def create_session(self, run_id: str, **fields: Any) -> Session:
+        """`POST /sessions`: `task_id`, `group_id`, `deadline_s`, `metadata`, `session_id`,
+        `rate_limit` (`proxy.sessions.CreateSession`); the same `session_id` again returns the
+        same session."""
         return Session(self, self.send(self.calls.create(run_id, fields)))
 
     @contextmanager
-    def session(self, run_id: str, **fields: Unpack[SessionFields]) -> Iterator[Session]:
+    def session(self, run_id: str, **fields: Any) -> Iterator[Session]:
         """A new session (`create_session`'s arguments) finished when the block ends: as
         `completed`, or as `error` (`timeout`, `aborted`) with the exception's message."""
         session = self.create_session(run_id, **fields)
@@ -357,14 +351,12 @@ class AsyncClient(_ClientBase):
         body = {"version": version, **({"engine": engine} if engine else {})}
         await self.send(self.calls.admin("POST", "/admin/engines/policy-version", body))
 
-    async def create_session(self, run_id: str, **fields: Unpack[SessionFields]) -> AsyncSession:
-        """`POST /sessions` (`SessionFields`); the same `session_id` again returns it again."""
+    async def create_session(self, run_id: str, **fields: Any) -> AsyncSession:
+        """`POST /sessions`, as `Client.create_session`."""
         return AsyncSession(self, await self.send(self.calls.create(run_id, fields)))
 
     @asynccontextmanager
-    async def session(
-        self, run_id: str, **fields: Unpack[SessionFields]
-    ) -> AsyncIterator[AsyncSession]:
+    async def session(self, run_id: str, **fields: Any) -> AsyncIterator[AsyncSession]:
         """A new session (`create_session`'s arguments) finished when the block ends: as
         `completed`, or as `error` (`timeout`, `aborted`) with the exception's message."""
         session = await self.create_session(run_id, **fields)
