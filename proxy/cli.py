@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from trajstore.proxy.options import engine_urls, proxy_options, proxy_settings
+from trajstore.proxy.options import ProxyOptions, proxy_options
 from trajstore.store.embedded import role_database_url
 from trajstore.store.roles import RECORDER_ROLE
 from trajstore.store.settings import store_settings_of
@@ -13,35 +13,25 @@ from trajstore.store.settings import store_settings_of
 @click.command("proxy")
 @proxy_options
 @click.pass_context
-def proxy(
-    ctx: click.Context,
-    engines: tuple[str, ...],
-    host: str,
-    port: int,
-    next_free_port: bool,
-    public_url: str | None,
-    policy_version: str,
-    relays_only: bool,
-) -> None:
+def proxy(ctx: click.Context, options: ProxyOptions) -> None:
     """Run the recording proxy: an OpenAI-compatible gateway that records every token."""
     import uvicorn
 
     from trajstore.proxy.app import create_app
     from trajstore.proxy.server import SERVER_OPTIONS
 
-    urls = engine_urls(engines)
-    if not urls and not relays_only:
+    urls = options.engine_urls()
+    if not urls and not options.relays_only:
         raise click.UsageError(
             "name at least one engine: --engine http://HOST:PORT (or pass --relays-only to "
             "serve only engines that dial in with trajstore relay)"
         )
-    settings = proxy_settings(urls, host, port, next_free_port, public_url, policy_version)
+    settings = options.settings()
     app = create_app(settings, role_database_url(RECORDER_ROLE, store_settings_of(ctx)))
     served = ", ".join(urls) or "engines that dial in at /engines/connect"
-    click.echo(f"trajstore proxy on http://{host}:{settings.port} -> {served}")
-    uvicorn.run(
-        app, host=host, port=settings.port, log_level="warning", access_log=False, **SERVER_OPTIONS
-    )
+    click.echo(f"trajstore proxy on http://{options.host}:{settings.port} -> {served}")
+    uvicorn.run(app, host=options.host, port=settings.port, log_level="warning",
+                access_log=False, **SERVER_OPTIONS)  # fmt: skip
 
 
 @click.command("relay")

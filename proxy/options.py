@@ -3,8 +3,10 @@ proxy (`trajstore proxy`, and the room's `up`, `demo`, `run` and `train`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -13,7 +15,7 @@ from trajstore.store.embedded import port_in_use
 if TYPE_CHECKING:
     from trajstore.proxy.settings import ProxySettings
 
-F = TypeVar("F", bound=Callable[..., object])
+R = TypeVar("R")
 
 
 def free_port_from(host: str, port: int, attempts: int = 50) -> int:
@@ -52,63 +54,61 @@ def proxy_settings(
     )
 
 
-def proxy_options(command: F) -> F:
-    """The options of a command that serves the proxy: `--engine`, `--host`, `--port`,
-    `--next-free-port`, `--public-url`, `--policy-version`, `--relays-only`."""
+@dataclass(frozen=True)
+class ProxyOptions:
+    """The proxy's command-line options, as one value (`proxy_options` hands it over)."""
+
+    engines: tuple[str, ...]  #: repeated --engine, each possibly comma-separated
+    host: str
+    port: int
+    next_free_port: bool
+    public_url: str | None
+    policy_version: str
+    relays_only: bool
+
+    def engine_urls(self) -> list[str]:
+        """The engines' URLs (`engine_urls`)."""
+        return engine_urls(self.engines)
+
+    def settings(self) -> ProxySettings:
+        """The proxy's settings (`proxy_settings`)."""
+        return proxy_settings(self.engine_urls(), self.host, self.port, self.next_free_port,
+                              self.public_url, self.policy_version)  # fmt: skip
+
+
+def proxy_options(command: Callable[..., R]) -> Callable[..., R]:
+    """The options of a command that serves the proxy (`--engine`, `--host`, `--port`,
+    `--next-free-port`, `--public-url`, `--policy-version`, `--relays-only`), handed to it as
+    one `options: ProxyOptions` argument."""
+    names = [field.name for field in fields(ProxyOptions)]
+
+    @functools.wraps(command)
+    def with_options(*args: Any, **kwargs: Any) -> R:
+        options = ProxyOptions(**{name: kwargs.pop(name) for name in names})
+        return command(*args, options=options, **kwargs)
+
     for option in reversed(_OPTIONS):
-        command = option(command)
-    return command
+        with_options = option(with_options)
+    return with_options
 
 
+# fmt: off
 _OPTIONS = [
-    click.option(
-        "--engine",
-        "engines",
-        multiple=True,
-        envvar="TRAJSTORE_ENGINES",
-        show_envvar=True,
-        help="Base URL of an engine (vLLM OpenAI server); repeat for several. "
-        "Env: comma-separated.",
-    ),
-    click.option(
-        "--host",
-        envvar="TRAJSTORE_HOST",
-        show_envvar=True,
-        default="127.0.0.1",
-        show_default=True,
-        help="Address to listen on.",
-    ),
-    click.option(
-        "--port",
-        envvar="TRAJSTORE_PORT",
-        show_envvar=True,
-        default=8400,
-        type=int,
-        show_default=True,
-        help="Port to listen on.",
-    ),
-    click.option(
-        "--next-free-port",
-        is_flag=True,
-        help="If the port is taken, use the next free one instead of failing.",
-    ),
-    click.option(
-        "--public-url",
-        envvar="TRAJSTORE_PUBLIC_URL",
-        show_envvar=True,
-        help="URL agents reach the proxy at [default: http://HOST:PORT].",
-    ),
-    click.option(
-        "--policy-version",
-        envvar="TRAJSTORE_POLICY_VERSION",
-        show_envvar=True,
-        default="0",
-        show_default=True,
-        help="Policy version of the engines.",
-    ),
-    click.option(
-        "--relays-only",
-        is_flag=True,
-        help="Start with no --engine: serve only engines whose relays dial in (trajstore relay).",
-    ),
+    click.option("--engine", "engines", multiple=True, envvar="TRAJSTORE_ENGINES",
+                 show_envvar=True, help="Base URL of an engine (vLLM OpenAI server); repeat for "
+                 "several. Env: comma-separated."),
+    click.option("--host", envvar="TRAJSTORE_HOST", show_envvar=True, default="127.0.0.1",
+                 show_default=True, help="Address to listen on."),
+    click.option("--port", envvar="TRAJSTORE_PORT", show_envvar=True, default=8400, type=int,
+                 show_default=True, help="Port to listen on."),
+    click.option("--next-free-port", is_flag=True,
+                 help="If the port is taken, use the next free one instead of failing."),
+    click.option("--public-url", envvar="TRAJSTORE_PUBLIC_URL", show_envvar=True,
+                 help="URL agents reach the proxy at [default: http://HOST:PORT]."),
+    click.option("--policy-version", envvar="TRAJSTORE_POLICY_VERSION", show_envvar=True,
+                 default="0", show_default=True, help="Policy version of the engines."),
+    click.option("--relays-only", is_flag=True,
+                 help="Start with no --engine: serve only engines whose relays dial in "
+                      "(trajstore relay)."),
 ]
+# fmt: on

@@ -4,8 +4,8 @@ The projector writes `samples` (`store.projection`, its SQL in `store.queries`);
 that reads them (the trainer's replay, its ledger and datasets, the viewer, the demo, the live
 loop) calls a function here, so the table has one owner and its columns one place to change.
 
-A selection of samples (`trainer.selection.Selection`, any object with its criteria: see
-`SampleCriteria`) becomes one SQL condition in `where`; its values are asyncpg parameters,
+A selection of samples (`SampleCriteria`, which `trainer.selection.Selection` checks) becomes
+one SQL condition in `where`; its values are asyncpg parameters,
 never text. Each reader takes the store, or (for a worker with a connection of its own, such as
 a Ray task) an asyncpg connection.
 """
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol, TypeAlias
+from typing import Any, TypeAlias
 
 import asyncpg
 
@@ -24,42 +25,28 @@ from trajstore.store.eventstore import EventStore
 from trajstore.store.queries import SERVED_SAMPLES_VERSION
 
 #: Where samples are read from: the store's pool, or one connection.
-Source: TypeAlias = EventStore | asyncpg.Connection
+Source: TypeAlias = "EventStore | asyncpg.Connection"
 
 
-class SampleCriteria(Protocol):
-    """What a selection of samples says (`trainer.selection.Selection` documents each).
+@dataclass(frozen=True)
+class SampleCriteria:
+    """What a selection of samples says; `trainer.selection.Selection` checks and documents
+    each criterion (every one left at its default selects everything)."""
 
-    Read-only members, as a frozen dataclass's fields are."""
-
-    @property
-    def runs(self) -> tuple[str, ...]: ...
-    @property
-    def since(self) -> datetime | None: ...
-    @property
-    def until(self) -> datetime | None: ...
-    @property
-    def min_policy_version(self) -> int | None: ...
-    @property
-    def max_policy_version(self) -> int | None: ...
-    @property
-    def min_reward(self) -> float | None: ...
-    @property
-    def max_reward(self) -> float | None: ...
-    @property
-    def statuses(self) -> tuple[str, ...]: ...
-    @property
-    def tags(self) -> tuple[str, ...]: ...
-    @property
-    def final_only(self) -> bool: ...
-    @property
-    def rollouts(self) -> bool: ...
-    @property
-    def max_staleness(self) -> int | None: ...
-    @property
-    def current_policy_version(self) -> int | None: ...
-    @property
-    def projection_version(self) -> int | None: ...
+    runs: tuple[str, ...] = ()
+    since: datetime | None = None
+    until: datetime | None = None
+    min_policy_version: int | None = None
+    max_policy_version: int | None = None
+    min_reward: float | None = None
+    max_reward: float | None = None
+    statuses: tuple[str, ...] = ("completed",)
+    tags: tuple[str, ...] = ()
+    final_only: bool = False
+    rollouts: bool = False
+    max_staleness: int | None = None
+    current_policy_version: int | None = None
+    projection_version: int | None = None
 
 
 #: A lineage's last branch (`store.samples.rollout_rows`), over the unaliased `samples` table.

@@ -140,3 +140,9 @@ def test_how_a_block_ends_names_the_status() -> None:
     assert exit_status(TimeoutError("slow")) == ("timeout", "TimeoutError: slow")
     assert exit_status(asyncio.CancelledError())[0] == "aborted"
     assert exit_status(RuntimeError("x" * 900))[1] == "RuntimeError: " + "x" * 486
+
+
+def test_a_misspelt_session_field_is_named_before_anything_is_sent() -> None:
+    # The proxy's own model of the body checks it: no request leaves (the URL answers nothing).
+    with Client("http://127.0.0.1:9") as client, pytest.raises(ValueError, match="colour"):
+        client.create_session("r", colour="red")

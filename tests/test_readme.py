@@ -39,14 +39,17 @@ async def run_agent_example(example: str, proxy: RunningProxy) -> str:
 async def test_the_agent_example_records_a_session_the_trainer_then_reads(
     proxy: RunningProxy, database_url: str
 ) -> None:
-    [example, training, _, _] = code_blocks("python")
+    [example, by_hand, training, _, _] = code_blocks("python")
     prompt, completion = (await run_agent_example(example, proxy)).strip().split("] [")
     assert len(prompt.strip("[").split(",")) == 8 and completion.strip("]")
+    # The same session over plain HTTP (in run-2): the same prompt, a second finished session.
+    again, completion_again = (await run_agent_example(by_hand, proxy)).strip().split("] [")
+    assert again == prompt and completion_again.strip("]")
 
-    # The projector (run by `trajstore up`) makes the finished session a sample; the second
-    # example reads it as a batch.
+    # The projector (run by `trajstore up`) makes the finished sessions samples; the training
+    # example reads run-1's as a batch.
     async with await EventStore.open(database_url) as store:
-        assert await Projector(store).run_once() == 1
+        assert await Projector(store).run_once() == 2
     env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url}
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-c", training, env=env,
@@ -61,14 +64,14 @@ async def test_the_agent_example_records_a_session_the_trainer_then_reads(
 
 
 async def test_the_other_apis_example_records_a_turn_of_each(proxy: RunningProxy) -> None:
-    [_, _, example, _] = code_blocks("python")
+    [_, _, _, example, _] = code_blocks("python")
     lines = [line.split() for line in (await run_agent_example(example, proxy)).splitlines()]
     assert [api for api, _, _ in lines] == ["messages", "responses"]
     assert all(int(prompt) > 0 and 0 < int(completion) <= 8 for _, prompt, completion in lines)
 
 
 def test_the_store_example_runs_and_prints_the_recorded_tokens(database_url: str) -> None:
-    [_, _, _, example] = code_blocks("python")
+    [_, _, _, _, example] = code_blocks("python")
     env = {**os.environ, "TRAJSTORE_DATABASE_URL": database_url}
     done = subprocess.run(
         [sys.executable, "-c", example], env=env, capture_output=True, text=True, timeout=60

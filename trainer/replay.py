@@ -462,8 +462,8 @@ async def replay_live(
             await _reload_pending(store, start.pending, state)
         idle_since = loop.time()
         while True:
-            since = (state.tx, state.seq)
-            rows = await sample_reads.read_tail(store, selection, since, read_limit)
+            position = (state.tx, state.seq)
+            rows = await sample_reads.read_tail(store, selection, position, read_limit)
             for row in rows:
                 state.tx, state.seq = int(row["projected_tx"]), int(row["projected_seq"])
                 entry, arrays = _entry(row)

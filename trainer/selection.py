@@ -18,7 +18,7 @@ from trajstore.store import sample_reads
 from trajstore.trainer.errors import BadSelection
 
 #: Session statuses the projection writes: `completed`, `aborted`, `error`, `timeout`.
-DEFAULT_STATUSES = ("completed",)
+DEFAULT_STATUSES = sample_reads.SampleCriteria.statuses
 
 
 def _as_tuple(name: str, value: Any) -> tuple[str, ...]:
@@ -45,7 +45,7 @@ def _check_range(low_name: str, low: Any, high_name: str, high: Any) -> None:
 
 
 @dataclass(frozen=True)
-class Selection:
+class Selection(sample_reads.SampleCriteria):
     """A set of training samples: which runs, when, which policy versions, rewards, statuses.
 
     Every criterion left at its default selects everything. Ranges are inclusive, except the time
@@ -72,21 +72,6 @@ class Selection:
     - `projection_version`: which projection version to read; None (the default) reads the one
       served to readers (`projection_serving`), which is 1 until a rebuild writes a newer one.
     """
-
-    runs: tuple[str, ...] = ()
-    since: datetime | None = None
-    until: datetime | None = None
-    min_policy_version: int | None = None
-    max_policy_version: int | None = None
-    min_reward: float | None = None
-    max_reward: float | None = None
-    statuses: tuple[str, ...] = DEFAULT_STATUSES
-    tags: tuple[str, ...] = ()
-    final_only: bool = False
-    rollouts: bool = False
-    max_staleness: int | None = None
-    current_policy_version: int | None = None
-    projection_version: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("runs", "statuses", "tags"):

@@ -2,8 +2,8 @@
 
     from trajstore.client import Client
 
-    with Client("http://127.0.0.1:8400") as trajstore:
-        with trajstore.session("my-run", task_id="task-1", group_id="task-1") as session:
+    with Client("http://127.0.0.1:8400") as proxy:
+        with proxy.session("my-run", task_id="task-1", group_id="task-1") as session:
             agent = openai.OpenAI(base_url=session.base_url, api_key=session.api_key)
             ...                                   # the agent works through the proxy
             session.reward(1.0)
@@ -33,22 +33,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 try:
     import httpx
 except ImportError as exc:  # a store-only install: the client is an extra
     raise ImportError("trajstore.client needs httpx: pip install 'trajstore[client]'") from exc
 
+from trajstore.proxy.sessions import CreateSession
 from trajstore.store.eventstore import EventStore
 from trajstore.store.recorded import recorded_samples, recorded_session
 from trajstore.store.samples import Sample
 from trajstore.store.sessions import SessionRecord
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: How much of an exception's message becomes a finish's reason.
 REASON_CHARS = 500
@@ -76,14 +79,13 @@ class SessionClosed(ProxyRefused):
 
 @dataclass(frozen=True)
 class SessionInfo:
-    """What `POST /sessions` answered: where the agent points its client, and the keys."""
+    """What an agent gets of a session: where to point its client, and its key."""
 
     session_id: str
     run_id: str
     base_url: str  #: an OpenAI client's base_url (OPENAI_BASE_URL); ends in /v1
     anthropic_base_url: str  #: the Anthropic SDK's base_url (ANTHROPIC_BASE_URL)
-    api_key: str  #: the agent's key: calls models for this session only
-    orchestrator_key: str  #: rewards, finishes and discards: never hand it to the agent
+    api_key: str  #: calls models for this session only (never the orchestrator's key)
 
     def env(self) -> dict[str, str]:
         """The environment variables an agent process reads to reach this session."""
@@ -116,20 +118,14 @@ class _Calls:
         self.url = proxy_url.rstrip("/")
         self.admin_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    def create(self, run_id: str, **fields: Any) -> httpx.Request:
-        body = {"run_id": run_id, **{k: v for k, v in fields.items() if v is not None}}
-        return httpx.Request("POST", f"{self.url}/sessions", json=body, headers=self.admin_headers)
-
     def admin(self, method: str, path: str, body: Any = None) -> httpx.Request:
         return httpx.Request(method, f"{self.url}{path}", json=body, headers=self.admin_headers)
 
-    def on_session(
-        self, info: SessionInfo, method: str, path: str, body: Any = None, **params: Any
-    ) -> httpx.Request:
-        headers = {"Authorization": f"Bearer {info.orchestrator_key}"}
-        url = f"{self.url}/sessions/{info.session_id}{path}"
-        params = {k: v for k, v in params.items() if v is not None}
-        return httpx.Request(method, url, json=body, headers=headers, params=params)
+    def create(self, run_id: str, fields: dict[str, Any]) -> httpx.Request:
+        # The proxy's own model of the body (pydantic only, no server): a misspelt or
+        # ill-typed field fails here, naming it, before anything is sent.
+        body = CreateSession(run_id=run_id, **fields).model_dump(mode="json", exclude_none=True)
+        return self.admin("POST", "/sessions", body)
 
     @staticmethod
     def answer(request: httpx.Request, response: httpx.Response) -> Any:
@@ -143,57 +139,9 @@ class _Calls:
         error = SessionClosed if response.status_code == 409 else ProxyRefused
         raise error(request.method, str(request.url), response.status_code, message)
 
-    @staticmethod
-    def info(answer: dict[str, Any]) -> SessionInfo:
-        fields = SessionInfo.__dataclass_fields__
-        return SessionInfo(**{name: str(answer[name]) for name in fields})
 
-    @staticmethod
-    def reward_body(value: float, components: dict[str, float] | None, source: str | None) -> Any:
-        return {"value": value, "components": components, "source": source}
-
-    @staticmethod
-    def finish_body(status: str, reason: str | None, main_lineage: int | None) -> Any:
-        body: dict[str, Any] = {"status": status, "reason": reason}
-        if main_lineage is not None:
-            body["main_lineage"] = main_lineage
-        return body
-
-
-class _SessionBase:
-    """What both session handles hold: the proxy's answer and whether it is closed."""
-
-    def __init__(self, info: SessionInfo) -> None:
-        self.info = info
-        self.closed: str | None = None  #: the status it was finished with, or "discarded"
-
-    @property
-    def session_id(self) -> str:
-        return self.info.session_id
-
-    @property
-    def run_id(self) -> str:
-        return self.info.run_id
-
-    @property
-    def base_url(self) -> str:
-        return self.info.base_url
-
-    @property
-    def anthropic_base_url(self) -> str:
-        return self.info.anthropic_base_url
-
-    @property
-    def api_key(self) -> str:
-        return self.info.api_key
-
-    def env(self) -> dict[str, str]:
-        """The environment variables an agent process reads (`SessionInfo.env`)."""
-        return self.info.env()
-
-
-class Client:
-    """The session API from synchronous code (see the module docstring)."""
+class _ClientBase:
+    """What both clients hold: the requests, the store's URL, and how they are configured."""
 
     def __init__(
         self,
@@ -202,13 +150,72 @@ class Client:
         api_key: str | None = None,
         database_url: str | None = None,
         timeout: float = 60.0,
-        transport: httpx.BaseTransport | None = None,
+        transport: Any = None,
     ) -> None:
         """`api_key`: the proxy's admin key (TRAJSTORE_API_KEY), when it has one.
-        `database_url`: the store, for `record()` and `samples()`."""
+        `database_url`: the store, for `record()` and `samples()`. `transport`: httpx's (for
+        tests and custom networking)."""
         self.calls = _Calls(proxy_url, api_key)
         self.database_url = database_url
-        self.http = httpx.Client(timeout=timeout, transport=transport)
+        self.options: dict[str, Any] = {"timeout": timeout, "transport": transport}
+
+
+class _SessionBase:
+    """What both session handles hold: the agent's side, the orchestrator's key, the state."""
+
+    def __init__(self, calls: _Calls, answer: dict[str, Any]) -> None:
+        fields = SessionInfo.__dataclass_fields__
+        self.info = SessionInfo(**{name: str(answer[name]) for name in fields})
+        self.session_id, self.run_id = self.info.session_id, self.info.run_id
+        self.base_url, self.api_key = self.info.base_url, self.info.api_key
+        self.anthropic_base_url = self.info.anthropic_base_url
+        self._calls, self._key = calls, str(answer["orchestrator_key"])
+        self.closed: str | None = None  #: the status it was finished with, or "discarded"
+
+    def env(self) -> dict[str, str]:
+        """The environment variables an agent process reads (`SessionInfo.env`)."""
+        return self.info.env()
+
+    def request(self, method: str, path: str, body: Any = None, **params: Any) -> httpx.Request:
+        """A request on this session, with the orchestrator's key."""
+        url = f"{self._calls.url}/sessions/{self.session_id}{path}"
+        params = {k: v for k, v in params.items() if v is not None}
+        headers = {"Authorization": f"Bearer {self._key}"}
+        return httpx.Request(method, url, json=body, headers=headers, params=params)
+
+    def _reward(self, value: float, components: Any, source: str | None) -> httpx.Request:
+        return self.request("POST", "/reward", {"value": value, "components": components,
+                                                "source": source})  # fmt: skip
+
+    def _finish(self, status: str, reason: str | None, main_lineage: int | None) -> httpx.Request:
+        body: dict[str, Any] = {"status": status, "reason": reason}
+        if main_lineage is not None:
+            body["main_lineage"] = main_lineage
+        return self.request("POST", "/finish", body)
+
+    def _closing(self, error: BaseException | None) -> tuple[str, str | None] | None:
+        """The finish a block's end calls for, or None when the session is closed already."""
+        return None if self.closed is not None else exit_status(error)
+
+    def _not_closed(self, failure: ClientError, error: BaseException | None, status: str) -> None:
+        """A finish at a block's end failed: closed meanwhile (its deadline) is no failure; else
+        raise, unless the block's own exception is on its way up (then log, and let it go)."""
+        if isinstance(failure, SessionClosed):
+            self.closed = "closed"
+        elif error is None:
+            raise failure
+        else:
+            log.error("session %s: could not finish it as %s: %s", self.session_id, status,
+                      failure)  # fmt: skip
+
+
+class Client(_ClientBase):
+    """The session API from synchronous code (see the module docstring)."""
+
+    def __init__(self, proxy_url: str, **options: Any) -> None:
+        """As `_ClientBase`'s: `api_key`, `database_url`, `timeout`, `transport`."""
+        super().__init__(proxy_url, **options)
+        self.http = httpx.Client(**self.options)
 
     def __enter__(self) -> Client:
         return self
@@ -228,23 +235,11 @@ class Client:
             raise ProxyUnreachable(f"{request.method} {request.url}: {exc!r}") from exc
         return self.calls.answer(request, response)
 
-    def create_session(
-        self,
-        run_id: str,
-        *,
-        task_id: str | None = None,
-        group_id: str | None = None,
-        deadline_s: float | None = None,
-        metadata: dict[str, Any] | None = None,
-        session_id: str | None = None,
-        rate_limit: dict[str, Any] | None = None,
-    ) -> Session:
-        """`POST /sessions`; the same `session_id` again returns the same session."""
-        request = self.calls.create(
-            run_id, task_id=task_id, group_id=group_id, deadline_s=deadline_s,
-            metadata=metadata, session_id=session_id, rate_limit=rate_limit,
-        )  # fmt: skip
-        return Session(self, self.calls.info(self.send(request)))
+    def create_session(self, run_id: str, **fields: Any) -> Session:
+        """`POST /sessions`: `task_id`, `group_id`, `deadline_s`, `metadata`, `session_id`,
+        `rate_limit` (`proxy.sessions.CreateSession`); the same `session_id` again returns the
+        same session."""
+        return Session(self, self.send(self.calls.create(run_id, fields)))
 
     @contextmanager
     def session(self, run_id: str, **fields: Any) -> Iterator[Session]:
@@ -262,89 +257,63 @@ class Client:
 class Session(_SessionBase):
     """One session, from synchronous code."""
 
-    def __init__(self, client: Client, info: SessionInfo) -> None:
-        super().__init__(info)
+    def __init__(self, client: Client, answer: dict[str, Any]) -> None:
+        super().__init__(client.calls, answer)
         self.client = client
-
-    def _send(self, method: str, path: str, body: Any = None, **params: Any) -> Any:
-        return self.client.send(self.client.calls.on_session(self.info, method, path, body,
-                                                             **params))  # fmt: skip
 
     def reward(
         self, value: float, *, components: dict[str, float] | None = None, source: str | None = None
     ) -> None:
         """`POST /sessions/{id}/reward`."""
-        self._send("POST", "/reward", _Calls.reward_body(value, components, source))
+        self.client.send(self._reward(value, components, source))
 
     def finish(
-        self,
-        status: str = "completed",
-        *,
-        reason: str | None = None,
+        self, status: str = "completed", *, reason: str | None = None,
         main_lineage: int | None = None,
-    ) -> str:
+    ) -> str:  # fmt: skip
         """`POST /sessions/{id}/finish`; the status the session ended with."""
-        answer = self._send("POST", "/finish", _Calls.finish_body(status, reason, main_lineage))
-        self.closed = str(answer["status"])
+        self.closed = str(self.client.send(self._finish(status, reason, main_lineage))["status"])
         return self.closed
 
     def discard(self, reason: str) -> None:
         """`POST /sessions/{id}/discard`: kept in the log, out of training."""
-        self._send("POST", "/discard", {"reason": reason})
+        self.client.send(self.request("POST", "/discard", {"reason": reason}))
         self.closed = "discarded"
 
     def turns(self, *, after: int | None = None, limit: int | None = None) -> dict[str, Any]:
         """`GET /sessions/{id}`: the session as recorded; with `after`/`limit`, a page of it."""
-        answer: dict[str, Any] = self._send("GET", "", after=after, limit=limit)
+        answer: dict[str, Any] = self.client.send(self.request("GET", "", after=after, limit=limit))
         return answer
 
     def turn(self, n: int) -> dict[str, Any]:
         """`GET /sessions/{id}/turns/{n}`: turn `n`, whole."""
-        answer: dict[str, Any] = self._send("GET", f"/turns/{n}")
+        answer: dict[str, Any] = self.client.send(self.request("GET", f"/turns/{n}"))
         return answer
 
     def record(self) -> SessionRecord:
         """The session rebuilt from the log (needs the client's `database_url`)."""
-        record: SessionRecord = asyncio.run(
-            _with_store(self.client.database_url, self.session_id, samples=False)
-        )
-        return record
+        return asyncio.run(_read(self.client.database_url, self.session_id, recorded_session))
 
     def samples(self) -> list[Sample]:
         """The samples the projector makes of the session, built from the log now."""
-        return asyncio.run(_with_store(self.client.database_url, self.session_id, samples=True))
+        return asyncio.run(_read(self.client.database_url, self.session_id, recorded_samples))
 
     def close_after(self, error: BaseException | None) -> None:
         """Finish the session as its block's end says (`exit_status`), unless it is closed."""
-        if self.closed is not None:
-            return
-        status, reason = exit_status(error)
-        try:
-            self.finish(status, reason=reason)
-        except SessionClosed:
-            self.closed = "closed"  # finished meanwhile (its deadline): nothing left to do
-        except ClientError:
-            if error is None:
-                raise
-            log.exception("session %s: could not finish it as %s", self.session_id, status)
+        if (ending := self._closing(error)) is not None:
+            try:
+                self.finish(ending[0], reason=ending[1])
+            except ClientError as failure:
+                self._not_closed(failure, error, ending[0])
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """The session API from async code (see the module docstring)."""
 
-    def __init__(
-        self,
-        proxy_url: str,
-        *,
-        api_key: str | None = None,
-        database_url: str | None = None,
-        timeout: float = 60.0,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
+    def __init__(self, proxy_url: str, **options: Any) -> None:
         """As `Client`'s; the store (for `record()`, `samples()`) opens on first use."""
-        self.calls = _Calls(proxy_url, api_key)
-        self.database_url = database_url
-        self.http = httpx.AsyncClient(timeout=timeout, transport=transport)
+        super().__init__(proxy_url, **options)
+        self.http = httpx.AsyncClient(**self.options)
         self._store: EventStore | None = None
         self._opening = asyncio.Lock()
 
@@ -382,23 +351,9 @@ class AsyncClient:
         body = {"version": version, **({"engine": engine} if engine else {})}
         await self.send(self.calls.admin("POST", "/admin/engines/policy-version", body))
 
-    async def create_session(
-        self,
-        run_id: str,
-        *,
-        task_id: str | None = None,
-        group_id: str | None = None,
-        deadline_s: float | None = None,
-        metadata: dict[str, Any] | None = None,
-        session_id: str | None = None,
-        rate_limit: dict[str, Any] | None = None,
-    ) -> AsyncSession:
-        """`POST /sessions`; the same `session_id` again returns the same session."""
-        request = self.calls.create(
-            run_id, task_id=task_id, group_id=group_id, deadline_s=deadline_s,
-            metadata=metadata, session_id=session_id, rate_limit=rate_limit,
-        )  # fmt: skip
-        return AsyncSession(self, self.calls.info(await self.send(request)))
+    async def create_session(self, run_id: str, **fields: Any) -> AsyncSession:
+        """`POST /sessions`, as `Client.create_session`."""
+        return AsyncSession(self, await self.send(self.calls.create(run_id, fields)))
 
     @asynccontextmanager
     async def session(self, run_id: str, **fields: Any) -> AsyncIterator[AsyncSession]:
@@ -417,46 +372,39 @@ class AsyncClient:
 class AsyncSession(_SessionBase):
     """One session, from async code."""
 
-    def __init__(self, client: AsyncClient, info: SessionInfo) -> None:
-        super().__init__(info)
+    def __init__(self, client: AsyncClient, answer: dict[str, Any]) -> None:
+        super().__init__(client.calls, answer)
         self.client = client
-
-    async def _send(self, method: str, path: str, body: Any = None, **params: Any) -> Any:
-        calls = self.client.calls
-        return await self.client.send(calls.on_session(self.info, method, path, body, **params))
 
     async def reward(
         self, value: float, *, components: dict[str, float] | None = None, source: str | None = None
     ) -> None:
         """`POST /sessions/{id}/reward`."""
-        await self._send("POST", "/reward", _Calls.reward_body(value, components, source))
+        await self.client.send(self._reward(value, components, source))
 
     async def finish(
-        self,
-        status: str = "completed",
-        *,
-        reason: str | None = None,
+        self, status: str = "completed", *, reason: str | None = None,
         main_lineage: int | None = None,
-    ) -> str:
+    ) -> str:  # fmt: skip
         """`POST /sessions/{id}/finish`; the status the session ended with."""
-        body = _Calls.finish_body(status, reason, main_lineage)
-        answer = await self._send("POST", "/finish", body)
+        answer = await self.client.send(self._finish(status, reason, main_lineage))
         self.closed = str(answer["status"])
         return self.closed
 
     async def discard(self, reason: str) -> None:
         """`POST /sessions/{id}/discard`: kept in the log, out of training."""
-        await self._send("POST", "/discard", {"reason": reason})
+        await self.client.send(self.request("POST", "/discard", {"reason": reason}))
         self.closed = "discarded"
 
     async def turns(self, *, after: int | None = None, limit: int | None = None) -> dict[str, Any]:
         """`GET /sessions/{id}`: the session as recorded; with `after`/`limit`, a page of it."""
-        answer: dict[str, Any] = await self._send("GET", "", after=after, limit=limit)
+        request = self.request("GET", "", after=after, limit=limit)
+        answer: dict[str, Any] = await self.client.send(request)
         return answer
 
     async def turn(self, n: int) -> dict[str, Any]:
         """`GET /sessions/{id}/turns/{n}`: turn `n`, whole."""
-        answer: dict[str, Any] = await self._send("GET", f"/turns/{n}")
+        answer: dict[str, Any] = await self.client.send(self.request("GET", f"/turns/{n}"))
         return answer
 
     async def record(self) -> SessionRecord:
@@ -469,17 +417,11 @@ class AsyncSession(_SessionBase):
 
     async def close_after(self, error: BaseException | None) -> None:
         """Finish the session as its block's end says (`exit_status`), unless it is closed."""
-        if self.closed is not None:
-            return
-        status, reason = exit_status(error)
-        try:
-            await self.finish(status, reason=reason)
-        except SessionClosed:
-            self.closed = "closed"  # finished meanwhile (its deadline): nothing left to do
-        except ClientError:
-            if error is None:
-                raise
-            log.exception("session %s: could not finish it as %s", self.session_id, status)
+        if (ending := self._closing(error)) is not None:
+            try:
+                await self.finish(ending[0], reason=ending[1])
+            except ClientError as failure:
+                self._not_closed(failure, error, ending[0])
 
 
 def _needed(database_url: str | None) -> str:
@@ -488,8 +430,10 @@ def _needed(database_url: str | None) -> str:
     return database_url
 
 
-async def _with_store(database_url: str | None, session_id: str, *, samples: bool) -> Any:
+async def _read(
+    database_url: str | None,
+    session_id: str,
+    reader: Callable[[EventStore, str], Awaitable[T]],
+) -> T:
     async with await EventStore.open(_needed(database_url), max_size=1) as store:
-        if samples:
-            return await recorded_samples(store, session_id)
-        return await recorded_session(store, session_id)
+        return await reader(store, session_id)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 import click
 
-from trajstore.proxy.options import engine_urls, free_port_from, proxy_options, proxy_settings
+from trajstore.proxy.options import ProxyOptions, free_port_from, proxy_options
 from trajstore.proxy.settings import ProxySettings
 from trajstore.store.embedded import EmbeddedPostgres
 from trajstore.store.settings import StoreSettings, store_settings_of
@@ -225,17 +225,7 @@ def backends(
 @click.option("--no-ui", is_flag=True, help="Do not serve the trajectory viewer.")
 @click.pass_context
 def up(
-    ctx: click.Context,
-    engines: tuple[str, ...],
-    host: str,
-    port: int,
-    next_free_port: bool,
-    public_url: str | None,
-    policy_version: str,
-    relays_only: bool,
-    poll_interval: float,
-    ui_port: int,
-    no_ui: bool,
+    ctx: click.Context, options: ProxyOptions, poll_interval: float, ui_port: int, no_ui: bool
 ) -> None:
     """Run the local stack: database, migrations, proxy, live projector (and vLLM if needed),
     and the trajectory viewer.
@@ -243,9 +233,9 @@ def up(
     With no --engine (and no --relays-only), starts a local vLLM on a generated tiny model.
     Ctrl-C stops all of it.
     """
-    urls = engine_urls(engines)
-    settings = proxy_settings(urls, host, port, next_free_port, public_url, policy_version)
-    with backends(store_settings_of(ctx), urls, local_engine=not relays_only) as found:
+    urls = options.engine_urls()
+    settings = options.settings()
+    with backends(store_settings_of(ctx), urls, local_engine=not options.relays_only) as found:
         settings.engines = found.engines
         ui = None if no_ui else viewer_settings(settings.host, ui_port, found.model_dir)
 
