@@ -162,7 +162,9 @@ async def live_teacher(
     config = LiveConfig(policies=args.teacher_steps, batch_size=16, group_size=8, max_lag=0)
     learner = LearnerConfig(device="cpu", lr=args.lr)
     port = free_port()  # not 8700: tests of the live loop may hold it on a shared machine
-    async with live_services(url, base, work / "served", work / "vllm-live.log", port) as services:
+    async with live_services(
+        url, base, work / "served", work / "vllm-live.log", proxy_port=port
+    ) as services:
         result = await run_config(services, config, learner, run_id="teacher",
                                   eval_sessions=args.eval_sessions)  # fmt: skip
         v0 = services.model_dir

@@ -16,7 +16,9 @@ with its standard error, the difference and its standard error (independent samp
 many standard errors that is; the mean reward of all the run's training sessions (how fast it
 learned: the area under its curve); the wall time. With `--repeats N`, each configuration runs
 N times (other questions, the engine's sampling unseeded), and the means of those figures over
-the repeats come with their standard errors: what tells configurations apart. The PNG shows the
+the repeats come with their standard errors: what tells configurations apart. Each run also
+prints the share of its generated tokens that a weight switch cut and the next version continued
+(publishing never drains the engine: `trajstore.publish`, `proxy.switching`). The PNG shows the
 first repeat's mean reward of the sessions each policy version generated (the training ones).
 
 Exits non-zero when a run's v_k is not above its v0 by more than 2 standard errors (CI runs
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -95,7 +98,11 @@ async def main(args: argparse.Namespace) -> None:
             base = build_tiny_model(Path(work) / "tiny")
             log = args.vllm_log
             print(f"vLLM's log: {log}", flush=True)
-            async with live_services(url, base, Path(work) / "served", log) as services:
+            port = random.randrange(20000, 30000, 100)  # vLLM binds with SO_REUSEPORT: its own
+            served = Path(work) / "served"
+            async with live_services(
+                url, base, served, log, engine_port=port, proxy_port=port + 50
+            ) as services:
                 for repeat, (name, lag, tis) in _schedule(args):
                     run_id = name.replace(" ", "").replace(",", "-") + f"-r{repeat}"
                     config = LiveConfig(policies=args.policies, batch_size=args.batch_size,
@@ -109,11 +116,13 @@ async def main(args: argparse.Namespace) -> None:
                     results[f"{name} #{repeat}"] = result
                     async with await EventStore.open(url) as store:
                         by_version = await rewards_by_version(store, run_id)
+                        result["across"] = await tokens_across_switches(store, run_id)
                     if repeat == 0:
                         curves[name] = [(float(v), r) for v, _, r in by_version]
                     sessions = sum(n for _, n, _ in by_version)
                     result["training_mean"] = sum(n * r for _, n, r in by_version) / sessions
-                    print(f"{name} #{repeat}: {line(result, args.policies)}", flush=True)
+                    print(f"{name} #{repeat}: {line(result, args.policies)}; tokens generated "
+                          f"across a switch: {result['across']:.1%}", flush=True)  # fmt: skip
     finally:
         await databases.drop_all()
     print(f"\n{args.eval_sessions} sessions on each policy, batches of {args.batch_size} "
@@ -146,6 +155,18 @@ async def main(args: argparse.Namespace) -> None:
         plot(curves, "toy task (share of digits in the answer): mean reward of the sessions "
              "each policy generated", args.png)  # fmt: skip
         print(f"curve: {args.png}")
+
+
+async def tokens_across_switches(store: EventStore, run_id: str) -> float:
+    """The share of a run's generated tokens that are in turns a weight switch cut and the new
+    version continued (`turn_versions.straddled`; publishing never drains the engine)."""
+    row = await store.pool.fetchrow(
+        "SELECT coalesce(sum((version_spans -> -1 ->> 'end')::int) FILTER (WHERE straddled), 0) "
+        "AS across, coalesce(sum((version_spans -> -1 ->> 'end')::int), 0) AS tokens "
+        "FROM turn_versions WHERE run_id = $1",
+        run_id,
+    )
+    return int(row["across"]) / max(1, int(row["tokens"]))
 
 
 def _schedule(args: argparse.Namespace) -> list[tuple[int, tuple[str, int, bool]]]:

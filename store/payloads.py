@@ -154,6 +154,8 @@ def _plain(value: Any) -> Any:
         return _fields(value)
     if isinstance(value, list):
         return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
     return value
 
 

@@ -11,6 +11,7 @@ arithmetic); the agent's text is the decoded ids; and the log holds the switch.
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +60,12 @@ async def test_a_turn_switched_mid_stream_is_one_turn_with_two_exact_spans(
     from transformers import AutoTokenizer
 
     base = build_tiny_model(tmp_path / "tiny")
+    port = random.randrange(30000, 40000, 100)  # vLLM binds with SO_REUSEPORT: a port of its own
     v1 = moved_policy(untied_copy(base, tmp_path / "untied"), tmp_path / "v1")
     async with (
-        live_services(database_url, base, tmp_path / "work") as services,
+        live_services(
+            database_url, base, tmp_path / "work", engine_port=port, proxy_port=port + 50
+        ) as services,
         httpx.AsyncClient(timeout=120) as http,
     ):
         v0 = services.model_dir

@@ -49,9 +49,13 @@ async def live_services(
     base_model: Path,
     work_dir: Path,
     log_file: Path | None = None,
+    *,
+    engine_port: int = 8600,
     proxy_port: int = 8700,
 ) -> AsyncIterator[LiveServices]:
-    """Serve `base_model` (untied) on a dev-mode vLLM, and a proxy + projector on `database_url`."""
+    """Serve `base_model` (untied) on a dev-mode vLLM, and a proxy + projector on `database_url`
+    (each on the first free port from `engine_port`, `proxy_port`: vLLM binds with SO_REUSEPORT,
+    so two stacks that pick one port serve each other's requests; give each its own range)."""
     from trajstore.proxy.options import free_port_from, proxy_settings
     from trajstore.publish import untied_copy
     from trajstore.stack import serving
@@ -59,7 +63,7 @@ async def live_services(
 
     model_dir = await asyncio.to_thread(untied_copy, base_model, work_dir / "v0")
     engine = VllmServer(
-        model_dir, free_port_from("127.0.0.1", 8600), served_model_name=SERVED_NAME,
+        model_dir, free_port_from("127.0.0.1", engine_port), served_model_name=SERVED_NAME,
         log_file=log_file, env={"VLLM_SERVER_DEV_MODE": "1"},
     )  # fmt: skip
     engine_url = await asyncio.to_thread(engine.start)

@@ -172,7 +172,7 @@ async def test_distillation_moves_the_student_toward_the_teacher(tmp_path: Any) 
             lp = token_logprobs(teacher(torch.tensor(ids[None])).logits, torch.tensor(ids[None]))[0]
         lp = np.where(mask == 1, lp.numpy(), np.nan).astype(np.float32)
         samples.append(ReplaySample(uuid.uuid4(), f"s{k}", ids, mask, behaviour.numpy() * mask,
-                                    0.0, 0.0, 0, 0, lp))  # fmt: skip
+                                    0.0, 0.0, 0, 0, teacher_logprobs=lp))  # fmt: skip
     batch = collate([[s] for s in samples])
     kls = [learner.step(learner.prepare(batch))["reverse_kl"] for _ in range(6)]
     assert kls[-1] < kls[0] * 0.8, kls

@@ -107,7 +107,7 @@ def test_after_a_step_the_replayed_ratio_stays_nearer_one_than_free_routing() ->
         ReplaySample(
             uuid.uuid4(), f"s{r}", ids[r].numpy().astype(np.int32), mask,
             (behaviour[r].numpy() * mask).astype(np.float32), float(r % 2), 1.0 - 2 * (r % 2),
-            0, 0, None, routing[r].numpy(),
+            0, 0, routed_experts=routing[r].numpy(),
         )
         for r in range(ROWS)
     ]  # fmt: skip
