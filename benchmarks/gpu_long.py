@@ -202,7 +202,7 @@ async def loop_case(
     measured = history[warmup:] or history[-1:]
     wall = sum(m["wait_seconds"] + m["step_seconds"] for m in measured)
     first = len(history) - len(measured) + 1
-    lengths = [[s["n_tokens"] for s in (await read_step(store, training_run, step))["samples"]]
+    lengths = [[s.n_tokens for s in (await read_step(store, training_run, step)).samples]
                for step in range(first, len(history) + 1)]  # fmt: skip
     flops = sum(useful_flops(shape, params, n, m["tokens"])
                 for n, m in zip(lengths, measured, strict=True))  # fmt: skip

@@ -161,7 +161,10 @@ async def test_the_migration_partitions_a_log_keeping_positions(database_url: st
     finally:
         await conn.close()
     async with await EventStore.open(database_url) as store:
-        assert [tuple(r) for r in after] == [tuple(r) for r in before]
+        # The columns the log had before, unchanged (later migrations add columns of their own).
+        assert [tuple(r[k] for k in b.keys()) for r, b in zip(after, before, strict=True)] == [
+            tuple(b) for b in before
+        ]
         assert [await partition_of(store, r["position"]) for r in after] == [
             "events_20261101", "events_20261101", "events_20261103", "events_20261107"
         ]  # fmt: skip

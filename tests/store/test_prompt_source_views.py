@@ -57,4 +57,5 @@ async def test_migration_0010_adds_the_columns_to_existing_views_and_keeps_their
         "SELECT table_name FROM information_schema.role_table_grants "
         "WHERE grantee = 'trajstore_reader' ORDER BY table_name"
     )
-    assert [r[0] for r in granted] == ["samples", "trajectories", "turns"]
+    # The views 0010 replaced keep their grants (later migrations add views of their own).
+    assert {"samples", "trajectories", "turns"} <= {r[0] for r in granted}

@@ -99,14 +99,14 @@ async def test_the_recipe_skips_an_over_long_sample_and_records_why(
     history = await train_steps(store, "long-run", model_dir, steps, training_run="skips",
                                 config=config)  # fmt: skip
     first = await read_step(store, "skips", 1)
-    assert first["replay"]["skipped"] == [
+    assert first.replay["skipped"] == [
         {"sample_id": str(rows[6]["sample_id"]), "session_id": "huge", "n_tokens": 508,
          "reason": "508 tokens, more than max_sample_tokens=200"}
     ]  # fmt: skip
     assert [m["skipped_samples"] for m in history] == [1.0] + [0.0] * (steps - 1)
-    assert first["metrics"]["skipped_samples"] == 1.0
+    assert first.metrics["skipped_samples"] == 1.0
     trained = [i for s in range(1, steps + 1)
-               for i in (await read_step(store, "skips", s))["sample_ids"]]  # fmt: skip
+               for i in (await read_step(store, "skips", s)).sample_ids]  # fmt: skip
     assert len(trained) == 7 and str(rows[6]["sample_id"]) not in trained
     assert str(rows[7]["sample_id"]) in trained  # 158 tokens > the 128-token row: trained whole
     assert all(m["grad_norm"] > 0 for m in history)

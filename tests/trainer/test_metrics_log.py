@@ -76,7 +76,7 @@ async def test_a_learning_runs_curves_reach_tensorboard_and_wandb_tagged_with_th
             config=RecipeConfig(batch_size=8), metrics_log=metrics_log,
         )  # fmt: skip
     rewards = [m["reward_mean"] for m in history]
-    ledger = [(await read_step(store, "toy", s))["metrics"]["reward_mean"] for s in range(1, 7)]
+    ledger = [(await read_step(store, "toy", s)).metrics["reward_mean"] for s in range(1, 7)]
     assert rewards == ledger  # what the ledger recorded, step by step
 
     # TensorBoard: the reward curve, point for point, and every reported metric.
