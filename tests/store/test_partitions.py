@@ -163,7 +163,7 @@ async def test_the_migration_partitions_a_log_keeping_positions(database_url: st
     async with await EventStore.open(database_url) as store:
         # The columns the log had before, unchanged (later migrations add columns of their own);
         # a Record iterates over its values, hence keys().
-        columns = list(before[0].keys())  # noqa: SIM118
+        columns = list(before[0].keys())
         assert [tuple(r[k] for k in columns) for r in after] == [tuple(b) for b in before]
         assert [await partition_of(store, r["position"]) for r in after] == [
             "events_20261101", "events_20261101", "events_20261103", "events_20261107"
