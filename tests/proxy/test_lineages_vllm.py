@@ -117,7 +117,9 @@ async def test_the_sampled_audit_catches_a_template_not_separable_late(
         await conversation.call(f"and then {n}", chat_template=LATE_TEMPLATE)
     record = await recorded(proxy, database_url, session["session_id"])
     outcomes = [
-        "continued" if t.prompt_source == "continued" else (t.continuation or {}).get("fallback")
+        "continued"
+        if t.prompt_source == "continued"
+        else t.continuation and t.continuation.fallback
         for t in record.turns
     ]
     # Continued turns 1 and 4 are audited (the lineage's first, then every third). The template
@@ -127,8 +129,10 @@ async def test_the_sampled_audit_catches_a_template_not_separable_late(
         None, "continued", "continued", "continued", "audit_failed",
         "lineage_not_separable", "lineage_not_separable",
     ]  # fmt: skip
-    audited = [
-        t.continuation for t in record.turns if t.continuation and "drift_at" in t.continuation
+    audited = [  # the turns whose recorded continuation says where the drift was measured
+        t.continuation
+        for t in record.turns
+        if t.continuation and "drift_at" in t.continuation.model_fields_set
     ]
     assert len(audited) == 1  # turn 1's: the drift is measured where the audit renders
     events = await events_of(session["session_id"])
