@@ -1259,6 +1259,17 @@ async def api_fuzz(chaos: Chaos, servers: Servers, result: Result) -> None:
     sizes = chaos.sizes
     say(f"  schemathesis {schemathesis.__version__}, seed {chaos.seed}")
     await asyncio.to_thread(fuzz_openapi, proxy.url, sizes.schema_cases, chaos.seed, tallies)
+    # The fuzz's valid `POST /admin/switches` began weight switches nobody ends (the chaos proxy
+    # has no admin key): end them, as an operator would, so model calls are not held behind them.
+    async with new_client() as http:
+        async with http.get(proxy.url + "/admin/switches") as resp:
+            switches = await resp.json()
+        for begun in switches:
+            if begun.get("outcome") is None:
+                ended = f"{proxy.url}/admin/switches/{begun['switch_id']}/failed"
+                async with http.post(ended, json={"reason": "ended after the fuzz"}) as resp:
+                    resp.raise_for_status()
+        say(f"  switches the fuzz began, ended: {sum(s.get('outcome') is None for s in switches)}")
     await asyncio.to_thread(fuzz_model_calls, proxy.url, sizes.model_cases, chaos.seed, tallies)
     async with new_client() as http, http.get(proxy.url + "/health") as resp:
         healthy = resp.status == 200

@@ -65,7 +65,8 @@ class ProxySettings(BaseSettings):
         default=120.0,
         gt=0,
         description="Seconds a new request waits for its engine's weight switch to end before "
-        "it is refused with 503 (`proxy.switching`).",
+        "it is refused with 503; a switch with no word (live or failed) within twice this is given "
+        "up and recorded as failed (`proxy.switching`).",
     )
     switch_cut_timeout: float = Field(
         default=60.0,

@@ -133,6 +133,8 @@ class Switch:
     outcome: str | None = None  #: "live" | "failed"
     interrupted: int = 0
     held: int = 0  #: requests held while it ran
+    #: Gives the switch up when no word (live or failed) comes in time (`VersionSwitches.begin`).
+    expiry: asyncio.Task[None] | None = None
 
     def describe(self) -> dict[str, Any]:
         """What the admin API answers."""
@@ -228,7 +230,18 @@ class VersionSwitches:
                             switch.switch_id, len(pending), timeout)  # fmt: skip
         began = PolicySwitchBegan(**self._common(switch), interrupted=switch.interrupted)
         await self._record(switch, 1, began)
+        # A publisher that dies between "going live" and "live" must not leave its engines
+        # holding requests: past twice the hold bound (the held requests refused by then) the
+        # switch is given up, as a failed load is.
+        switch.expiry = asyncio.create_task(self._expire(switch))
         return switch
+
+    async def _expire(self, switch: Switch) -> None:
+        await asyncio.sleep(2 * self.hold_timeout)
+        if switch.switch_id in self._by_id:
+            reason = f"no word within {2 * self.hold_timeout:g} s (twice the hold timeout)"
+            log.warning("switch %s given up: %s", switch.switch_id, reason)
+            await self.failed(switch.switch_id, reason)
 
     async def live(self, switch_id: str) -> Switch:
         """The switch's engines serve its version: continue what was cut, release what waits."""
@@ -262,6 +275,8 @@ class VersionSwitches:
         return switch
 
     def _end(self, switch: Switch) -> None:
+        if switch.expiry is not None and switch.expiry is not asyncio.current_task():
+            switch.expiry.cancel()
         for engine in switch.engines:
             self._by_engine.pop(engine.url, None)
         switch.ended.set()

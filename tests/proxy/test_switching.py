@@ -205,6 +205,30 @@ async def test_a_request_held_past_the_deadline_is_refused_and_recorded(
     assert turn["status"] == "failed" and turn["failure"]["reason"] == "switch_timeout"
 
 
+async def test_a_switch_nobody_ends_is_given_up_and_its_engine_serves_again(
+    start_proxy: ProxyFactory, versioned: FakeEngine, database_url: str
+) -> None:
+    """A publisher that dies after "going live" and before "live" (or an operator's stray
+    switch) leaves no engine held: past twice the hold bound the switch is recorded failed."""
+    proxy = await start_proxy([versioned.url], switch_hold_timeout=0.5)
+    session = await proxy.new_session()
+    await begin(proxy, "1")
+    await asyncio.sleep(1.5)
+    answer = await proxy.agent(session).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "count"}], max_tokens=8
+    )
+    assert answer.choices[0].message.content  # served, on the version it had
+    [turn] = (await proxy.session_record(session["session_id"]))["turns"]
+    assert exact(turn["choices"][0], 8) == ["0"]
+    async with await EventStore.open(database_url) as store:
+        kinds = await store.fetch(
+            "SELECT event_type, payload ->> 'reason' AS reason FROM events "
+            "WHERE stream_id LIKE 'switch-%' ORDER BY position"
+        )
+    assert [k["event_type"] for k in kinds] == ["policy_switch_began", "policy_switch_failed"]
+    assert "no word within" in kinds[1]["reason"]
+
+
 async def test_an_engine_that_dies_mid_switch_hands_its_turn_to_another(
     start_proxy: ProxyFactory,
 ) -> None:
