@@ -78,7 +78,7 @@ async def test_published_policies_serve_exactly_and_every_turn_records_its_versi
     async with await EventStore.open(database_url) as store:
         for step in (1, 2):
             recorded = await read_step(store, "live", step)
-            assert [s["staleness"] for s in recorded["samples"]] == [0] * 8  # on-policy
+            assert [s.staleness for s in recorded.samples] == [0] * 8  # on-policy
         versions = dict(
             await store.pool.fetch(
                 "SELECT run_id, array_agg(DISTINCT policy_version_min) FROM samples "
