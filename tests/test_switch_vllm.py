@@ -28,7 +28,7 @@ from trajstore.train_cli import SERVED_NAME, live_services
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-N_TOKENS = 640
+N_TOKENS = 2560  # long enough that the engine still generates when the agent has read 200
 SWITCH_AFTER = 200
 
 
