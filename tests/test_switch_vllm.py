@@ -28,8 +28,11 @@ from trajstore.train_cli import SERVED_NAME, live_services
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-N_TOKENS = 2560  # long enough that the engine still generates when the agent has read 200
-SWITCH_AFTER = 200
+# The switch is published once the agent has read SWITCH_AFTER tokens: the proxy reads the
+# engine ahead of the agent, so the turn must be long enough that the engine is still generating
+# then (a quiet machine's engine outran an agent reading 200 of 640 tokens).
+N_TOKENS = 2560
+SWITCH_AFTER = 16
 
 
 async def engine_logprobs(http: httpx.AsyncClient, engine_url: str, ids: list[int]) -> list[float]:
@@ -136,11 +139,13 @@ async def test_a_turn_switched_mid_stream_is_one_turn_with_two_exact_spans(
         recorded = logprobs[span["start"] : span["end"]]
         assert max(abs(a - b) for a, b in zip(mine, recorded, strict=True)) < 1e-4
         assert max(abs(a - b) for a, b in zip(other, recorded, strict=True)) > 1e-2
-    # The agent read one answer: the decoded ids (vLLM holds back a character left
-    # incomplete at the very end of any stream, switched or not).
+    # The agent read one answer: the decoded ids, exactly across the cut. vLLM holds back what
+    # its last tokens leave incomplete at the very end of any stream, switched or not (a
+    # replacement character, or the one or two characters a byte-fallback token decodes to).
     tokenizer = AutoTokenizer.from_pretrained(v0)
-    decoded = tokenizer.decode(ids, skip_special_tokens=True)
-    assert "".join(text).rstrip("\ufffd") == decoded.rstrip("\ufffd")
+    read = "".join(text).rstrip("\ufffd")
+    decoded = tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+    assert decoded.startswith(read) and len(decoded) - len(read) <= 2, (read[-40:], decoded[-40:])
     # The log knows the switch: began, then live, with its engine and checkpoint.
     kinds = [r["event_type"] for r in switches]
     assert kinds[:2] == ["policy_switch_began", "policy_switch_live"]
