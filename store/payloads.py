@@ -205,29 +205,6 @@ class VersionSpan(BaseModel):
     end: int
 
 
-def version_spans(choice: Mapping[str, Any]) -> list[VersionSpan] | None:
-    """The `version_spans` of one choice of a completion_finished payload (written since issue
-    44; None for older turns, whose one version is their request's)."""
-    return _spans(choice.get("version_spans"))
-
-
-def failed_version_spans(raw: Mapping[str, Any]) -> dict[int, list[VersionSpan]]:
-    """A request_failed payload's `version_spans`: choice -> the spans of its partial tokens."""
-    spans = raw.get("version_spans")
-    if not isinstance(spans, Mapping):
-        return {}
-    return {int(index): _spans(value) or [] for index, value in spans.items()}
-
-
-def _spans(spans: Any) -> list[VersionSpan] | None:
-    if not isinstance(spans, list):
-        return None
-    try:
-        return [VersionSpan.model_validate(span) for span in spans]
-    except ValidationError as exc:
-        raise BadEvent(f"version_spans do not match their schema: {exc}") from exc
-
-
 class _Switch(Payload):
     """What every event of one weight switch says."""
 
