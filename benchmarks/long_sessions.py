@@ -63,11 +63,13 @@ import orjson
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
 from overhead_servers import ROOT, Servers, proxy_argv
 
-from tests.long_session import record_long_session
 from trajstore.store import EventStore
 from trajstore.store.embedded import database_url
 from trajstore.store.export import export
 from trajstore.store.projection import Projector
+
+sys.path.insert(0, str(ROOT))
+from tests.long_session import record_long_session
 from trajstore.store.samples import build_samples
 from trajstore.store.sessions import rebuild_session
 from trajstore.trainer.timeline import gather, json_pieces
