@@ -16,9 +16,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from trajstore.store.images import image_hashes
-from trajstore.store.payloads import dump
+from trajstore.store.payloads import VersionSpan, dump
 from trajstore.store.payloads_request import (
     Continuation,
+    ImageRecorded,
     MessagesPrefix,
     PromptPrefix,
     RequestFailed,
@@ -42,7 +43,7 @@ class ChoiceRecord:
     api_finish_reason: str | None = None  #: in the agent's API's taxonomy, when translated
     #: Which policy version generated which tokens, [{version, start, end}] in order; None when
     #: recorded before spans were (then the turn's `policy_version` generated all of them).
-    version_spans: list[dict[str, Any]] | None = None
+    version_spans: list[VersionSpan] | None = None
 
     def as_json(self) -> dict[str, Any]:
         """A JSON-able view."""
@@ -55,7 +56,9 @@ class ChoiceRecord:
             "stop_reason": self.stop_reason,
             "message": self.message,
             "api_finish_reason": self.api_finish_reason,
-            "version_spans": self.version_spans,
+            "version_spans": (
+                None if self.version_spans is None else [dump(s) for s in self.version_spans]
+            ),
         }
 
 
@@ -233,9 +236,9 @@ class SessionRecord:
     rate_limit: dict[str, Any] | None = None
     turns: list[TurnRecord] = field(default_factory=list)
     n_events: int = 0
-    #: The images its requests recorded, by sha256: {source, media_type, n_bytes, url}, without
-    #: the bytes (`image_recorded`; the export writes those).
-    images: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: The images its requests recorded, by sha256, without their bytes (`image_recorded`; the
+    #: export writes those).
+    images: dict[str, ImageRecorded] = field(default_factory=dict)
     #: The lineage its orchestrator named the main one at finish (`store.lineages`), if any.
     main_lineage: int | None = None
     packed: bool = False  #: token ids and logprobs kept as stored (bytes), not lists
@@ -265,7 +268,7 @@ class SessionRecord:
             "rewards": [dump(reward) for reward in self.rewards],
             "main_lineage": self.main_lineage,
             "n_events": self.n_events,
-            "images": self.images,
+            "images": {sha256: image.described() for sha256, image in self.images.items()},
         }
         if turns:
             view["turns"] = [t.as_json() for t in self.turns]

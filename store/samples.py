@@ -49,7 +49,7 @@ import numpy as np
 
 from trajstore.store.images import image_spans
 from trajstore.store.lineages import Divergence, Lineage, assign
-from trajstore.store.payloads import ArraySpec
+from trajstore.store.payloads import ArraySpec, VersionSpan
 from trajstore.store.records import ChoiceRecord, SessionRecord, TurnRecord
 from trajstore.store.side_data import absent, unpack
 from trajstore.store.tokens import (
@@ -268,9 +268,9 @@ class Sample:
             self.tool_turns += 1  # the model called a tool (as `turns.n_tool_calls` counts)
         spans = choice.version_spans
         if spans is None and turn.policy_version is not None:
-            spans = [{"version": turn.policy_version, "start": 0, "end": n}]
+            spans = [VersionSpan(version=turn.policy_version, start=0, end=n)]
         for span in spans or ():
-            self._add_span(str(span["version"]), at + int(span["start"]), at + int(span["end"]))
+            self._add_span(span.version, at + span.start, at + span.end)
         if turn.engine is not None and turn.engine not in self.engines:
             self.engines.append(turn.engine)
 
@@ -395,14 +395,14 @@ def _images_of(sample: Sample) -> list[dict[str, Any]]:
             spans = None
     images = []
     for n, sha256 in enumerate(hashes):
-        recorded = session.images.get(sha256 or "", {})
+        recorded = session.images.get(sha256 or "")
         start, end = (None, None) if spans is None else spans[n]
         images.append(
             {
                 "sha256": sha256,
-                "source": recorded.get("source"),
-                "url": recorded.get("url"),
-                "media_type": recorded.get("media_type"),
+                "source": recorded.source if recorded else None,
+                "url": recorded.url if recorded else None,
+                "media_type": recorded.media_type if recorded else None,
                 "start": start,
                 "end": end,
                 "reason": reason,

@@ -224,7 +224,7 @@ def rebuild_session(
                     choice.message = ending.message
                     choice.api_finish_reason = ending.api_finish_reason
                     if ending.version_spans is not None:
-                        choice.version_spans = [span.model_dump() for span in ending.version_spans]
+                        choice.version_spans = list(ending.version_spans)
         elif kind == _FAILED:
             if stream in turns:
                 turn = turns[stream]
@@ -233,7 +233,7 @@ def rebuild_session(
                 turn.latency_s = turn.failure.latency_s
                 for choice_index, spans in (turn.failure.version_spans or {}).items():
                     partial = turn.choice(int(choice_index))
-                    partial.version_spans = [span.model_dump() for span in spans]
+                    partial.version_spans = list(spans)
         elif kind == _CREATED:
             created = SessionCreated.read(event.payload)
             session.run_id = event.run_id
@@ -258,7 +258,7 @@ def rebuild_session(
         elif kind == _IMAGE:
             image = ImageRecorded.read(event.payload)
             if image.sha256 not in session.images:
-                session.images[image.sha256] = image.described()
+                session.images[image.sha256] = image.model_copy(update={"data": None})
         elif kind == _SIDE and stream in turns:
             side = payloads.load(kind, event.payload)
             turns[stream].side_data.append((side, event.packed_side_data))

@@ -9,6 +9,7 @@ import numpy as np
 
 from tests.store.test_samples_unit import session, turn
 from trajstore.store.images import image_hashes, image_spans, reference, referenced_hash
+from trajstore.store.payloads_request import ImageRecorded
 from trajstore.store.samples import build_samples
 
 PAD, START, END, EOS = 151655, 151652, 151653, 2
@@ -84,8 +85,8 @@ def test_a_sample_lists_its_last_turns_images_with_their_spans_and_sources() -> 
     second = image_turn(second_prompt, [40, EOS], [a, u], 1)
     recorded = session(first, second)
     recorded.images = {
-        a: {"source": "data", "media_type": "image/png", "n_bytes": 3, "url": None},
-        u: {"source": "url", "media_type": None, "n_bytes": None, "url": "https://x/y.png"},
+        a: ImageRecorded(sha256=a, source="data", media_type="image/png", n_bytes=3),
+        u: ImageRecorded(sha256=u, source="url", url="https://x/y.png"),
     }
     (sample,) = build_samples(recorded)
     assert sample.images == [
