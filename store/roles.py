@@ -49,12 +49,13 @@ PROJECTOR_ROLE: Role = "trajstore_projector"
 PROJECTOR_TABLES = "samples, projection_serving, projection_checkpoints"
 
 
-def _create_role(role: str) -> str:
+def create_role(role: str, *, login: bool = True) -> str:
+    """The statement that creates `role` unless the cluster has it (roles outlive databases)."""
     return f"""
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN
-        CREATE ROLE {role} LOGIN;
+        CREATE ROLE {role} {"LOGIN" if login else "NOLOGIN"};
     END IF;
 END
 $$"""
@@ -62,8 +63,8 @@ $$"""
 
 #: What `upgrade` runs, in order, after the tables exist.
 CREATE = [
-    _create_role(RECORDER_ROLE),
-    _create_role(PROJECTOR_ROLE),
+    create_role(RECORDER_ROLE),
+    create_role(PROJECTOR_ROLE),
     f"GRANT USAGE ON SCHEMA public TO {RECORDER_ROLE}, {PROJECTOR_ROLE}",
     f"GRANT SELECT, INSERT ON events TO {RECORDER_ROLE}",
     f"GRANT SELECT ON events TO {PROJECTOR_ROLE}",

@@ -314,17 +314,9 @@ END
 $$"""
 event.listen(metadata, "after_create", _ddl(COMPRESSION_DDL))
 
-# The views and the reader role come after every table (they read events and samples).
-for _sql in views.CREATE:
+# The views and the reader role come after every table (they read events and samples); the
+# processes' grants (store.roles) come last.
+for _sql in [*views.CREATE, *version_views.CREATE, *roles.CREATE]:
     event.listen(metadata, "after_create", _ddl(_sql))
-for _sql in version_views.CREATE:
-    event.listen(metadata, "after_create", _ddl(_sql))
-for _sql in version_views.DROP:
-    event.listen(metadata, "before_drop", _ddl(_sql))
-for _sql in views.DROP:
-    event.listen(metadata, "before_drop", _ddl(_sql))
-# The processes' roles (store.roles): granted last, dropped first.
-for _sql in roles.CREATE:
-    event.listen(metadata, "after_create", _ddl(_sql))
-for _sql in roles.DROP:
+for _sql in [*version_views.DROP, *views.DROP, *roles.DROP]:
     event.listen(metadata, "before_drop", _ddl(_sql))

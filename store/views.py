@@ -28,6 +28,8 @@ catalog equals the one built from `store.schema`.
 
 from __future__ import annotations
 
+from trajstore.store.roles import create_role
+
 READER_ROLE = "trajstore_reader"
 
 # One statement per string: the asyncpg driver prepares statements, one command each.
@@ -339,14 +341,7 @@ SELECT coalesce(array_agg(
 FROM generate_series(0, length(data) / width - 1) AS i
 $$"""
 
-CREATE_READER_ROLE = f"""
-DO $$
-BEGIN
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{READER_ROLE}') THEN
-        CREATE ROLE {READER_ROLE} NOLOGIN;
-    END IF;
-END
-$$"""
+CREATE_READER_ROLE = create_role(READER_ROLE, login=False)
 
 #: What `upgrade` runs, in order, after the tables exist.
 CREATE = [

@@ -44,7 +44,7 @@ from trajstore.trainer.errors import (
     TrainerError,
 )
 from trajstore.trainer.lag import token_staleness
-from trajstore.trainer.replay import open_store
+from trajstore.trainer.index import open_store
 
 
 def training_stream(training_run: str) -> str:

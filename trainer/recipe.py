@@ -48,7 +48,8 @@ from trajstore.trainer.metrics_log import (
     open_metrics_log,
 )
 from trajstore.trainer.prefetch import Waits, prefetched
-from trajstore.trainer.replay import open_store, replay
+from trajstore.trainer.index import open_store
+from trajstore.trainer.replay import replay
 from trajstore.trainer.selection import Selection
 from trajstore.trainer.vision import VisionProcessor, with_vision
 

@@ -48,7 +48,7 @@ an importance ratio against no logprob means nothing. `trainer.loss` leaves thos
 same way.
 
 Deterministic: samples are ordered by id, then shuffled with `numpy.random.default_rng(seed)`
-(`trainer.replay.shuffled`), and the same rows always give the same tensors.
+(`trainer.index.shuffled`), and the same rows always give the same tensors.
 """
 
 from __future__ import annotations
@@ -67,14 +67,8 @@ from verl.utils.model import compute_position_id_with_mask
 from trajstore.store import EventStore
 from trajstore.trainer.arrays import read_arrays
 from trajstore.trainer.errors import BadSelection
-from trajstore.trainer.replay import (
-    IndexEntry,
-    advantages_by_sample,
-    open_store,
-    read_rewarded_index,
-    shuffled,
-    teacher_arrays,
-)
+from trajstore.trainer.index import IndexEntry, open_store, read_ordered
+from trajstore.trainer.replay import teacher_arrays
 from trajstore.trainer.selection import Selection
 
 #: The tensors of a batch, in the order they are laid out.
@@ -292,12 +286,10 @@ async def verl_batches(
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise BadSelection(f"batch_size must be a positive integer, got {batch_size!r}")
     async with open_store(source) as store:
-        index = await read_rewarded_index(store, selection)
+        index = await read_ordered(store, selection, seed=seed, shuffle=shuffle)
         if index is None:
             return
-        version, entries = index
-        advantage_of = advantages_by_sample(entries)
-        ordered = shuffled(entries, seed=seed, shuffle=shuffle)
+        version, ordered, advantage_of = index
         size = batch_size or len(ordered)
         meta = {"trajstore": {"projection_version": version, "selection": selection.as_json()}}
         for start in range(0, len(ordered), size):

@@ -40,7 +40,7 @@ from trajstore.trainer.learner import Learner
 from trajstore.trainer.ledger import read_step, record_step
 from trajstore.trainer.metrics_log import MetricsLog
 from trajstore.trainer.recipe import recorded_steps
-from trajstore.trainer.replay import LiveCheckpoint, replay_live
+from trajstore.trainer.replay_live import LiveCheckpoint, replay_live
 from trajstore.trainer.selection import Selection
 
 __all__ = ["AgentPool", "LiveConfig", "reward", "train_live"]

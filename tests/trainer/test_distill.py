@@ -20,7 +20,8 @@ from trajstore.trainer.distill import DistillConfig, with_distillation
 from trajstore.trainer.errors import BadSelection
 from trajstore.trainer.learner import Learner, LearnerConfig
 from trajstore.trainer.loss import token_logprobs
-from trajstore.trainer.replay import replay, replay_live
+from trajstore.trainer.replay import replay
+from trajstore.trainer.replay_live import replay_live
 from trajstore.trainer.selection import Selection
 from trajstore.trainer.trl_dataset import read_samples_table
 

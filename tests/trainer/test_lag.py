@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tests.trainer.rows import insert_samples, sample_row
 from trajstore.store import EventStore
-from trajstore.trainer.replay import replay_live
+from trajstore.trainer.replay_live import replay_live
 
 
 async def test_samples_beyond_the_max_lag_are_dropped_and_never_come_back(

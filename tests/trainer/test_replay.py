@@ -12,7 +12,8 @@ from tests.trainer.rows import insert_samples, rollout_rows, sample_row
 from trajstore.store import EventStore
 from trajstore.trainer.collate import sample_ids
 from trajstore.trainer.errors import BadSelection
-from trajstore.trainer.replay import LiveCheckpoint, replay, replay_live
+from trajstore.trainer.replay import replay
+from trajstore.trainer.replay_live import LiveCheckpoint, replay_live
 from trajstore.trainer.selection import Selection
 
 
