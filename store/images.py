@@ -12,15 +12,20 @@ is in `store.sessions`.
 A vision-language engine expands each image into a run of placeholder ids in the prompt it
 reports (vLLM: the model's image token repeated once per image feature, e.g. Qwen2-VL's
 `<|image_pad|>` grid_t * grid_h * grid_w / merge_size**2 times, LLaVA-1.5's `<image>` 576 times).
-`image_spans` finds those runs in a sample, so a trainer can put the image's features there.
+`image_spans` finds those runs in a sample, so a trainer can put the image's features there;
+`sample_images` lists a sample's images with their spans, or why one has none.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # store.samples builds on this module
+    from trajstore.store.records import TurnRecord
+    from trajstore.store.samples import Sample
 
 #: What a recorded body has in an image's URL in place of the image itself.
 REFERENCE_PREFIX = "trajstore-image:sha256:"
@@ -87,3 +92,50 @@ def image_spans(
     if len(starts) != n_images:
         return None
     return [(int(s), int(e)) for s, e in zip(starts, ends, strict=True)]
+
+
+def sample_images(sample: Sample) -> list[dict[str, Any]]:
+    """The images of a sample's last turn, located in its tokens; where one is not (null
+    `start` and `end`), `reason` says why."""
+    session = sample.session
+    turn = session.turns[sample.turns[-1]]
+    hashes = turn.image_hashes
+    generated = sample.mask_array().astype(bool)
+    spans = image_spans(sample.token_array(), generated, turn.image_token_id, len(hashes))
+    reason = None
+    if spans is None:
+        reason = _unlocated(sample, turn, len(hashes))
+    else:
+        # One image is one processor output: the same bytes twice with runs of different
+        # lengths means the runs are not the images' (a guess would put features on text).
+        lengths: dict[str | None, set[int]] = {}
+        for sha256, span in zip(hashes, spans, strict=True):
+            lengths.setdefault(sha256, set()).add(span[1] - span[0])
+        if any(len(seen) > 1 for sha256, seen in lengths.items() if sha256 is not None):
+            reason = "the same image has placeholder runs of different lengths"
+            spans = None
+    images = []
+    for n, sha256 in enumerate(hashes):
+        recorded = session.images.get(sha256 or "")
+        start, end = (None, None) if spans is None else spans[n]
+        images.append(
+            {
+                "sha256": sha256,
+                "source": recorded.source if recorded else None,
+                "url": recorded.url if recorded else None,
+                "media_type": recorded.media_type if recorded else None,
+                "start": start,
+                "end": end,
+                "reason": reason,
+            }
+        )
+    return images
+
+
+def _unlocated(sample: Sample, turn: TurnRecord, n_images: int) -> str:
+    """Why a sample's images have no spans."""
+    if turn.image_token_id is None:
+        return "the engine's image placeholder id was not recorded (TRAJSTORE_IMAGE_TOKEN_ID)"
+    hits = sample.token_array() == turn.image_token_id
+    runs = int(np.count_nonzero(np.diff(np.concatenate(([0], hits.astype(np.int8)))) == 1))
+    return f"{runs} placeholder runs for {n_images} images"

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from trajstore.store.images import image_spans
+from trajstore.store.images import sample_images
 from trajstore.store.lineages import Divergence, Lineage, assign
 from trajstore.store.payloads import ArraySpec, VersionSpan
 from trajstore.store.records import ChoiceRecord, SessionRecord, TurnRecord
@@ -335,7 +335,7 @@ def build_samples(session: SessionRecord) -> list[Sample]:
     for sample in samples:
         sample.token_bytes = bytes(sample.token_bytes)
         if session.turns[sample.turns[-1]].n_images:
-            sample.images = _images_of(sample)
+            sample.images = sample_images(sample)
     return samples
 
 
@@ -371,53 +371,6 @@ def _alternatives(
         alternative._add_turn(index, turn, turn.choices[other])
         samples.append(alternative)
     return samples
-
-
-def _images_of(sample: Sample) -> list[dict[str, Any]]:
-    """The images of a sample's last turn, located in its tokens; where one is not (null
-    `start` and `end`), `reason` says why."""
-    session = sample.session
-    turn = session.turns[sample.turns[-1]]
-    hashes = turn.image_hashes
-    generated = sample.mask_array().astype(bool)
-    spans = image_spans(sample.token_array(), generated, turn.image_token_id, len(hashes))
-    reason = None
-    if spans is None:
-        reason = _unlocated(sample, turn, len(hashes))
-    else:
-        # One image is one processor output: the same bytes twice with runs of different
-        # lengths means the runs are not the images' (a guess would put features on text).
-        lengths: dict[str | None, set[int]] = {}
-        for sha256, span in zip(hashes, spans, strict=True):
-            lengths.setdefault(sha256, set()).add(span[1] - span[0])
-        if any(len(seen) > 1 for sha256, seen in lengths.items() if sha256 is not None):
-            reason = "the same image has placeholder runs of different lengths"
-            spans = None
-    images = []
-    for n, sha256 in enumerate(hashes):
-        recorded = session.images.get(sha256 or "")
-        start, end = (None, None) if spans is None else spans[n]
-        images.append(
-            {
-                "sha256": sha256,
-                "source": recorded.source if recorded else None,
-                "url": recorded.url if recorded else None,
-                "media_type": recorded.media_type if recorded else None,
-                "start": start,
-                "end": end,
-                "reason": reason,
-            }
-        )
-    return images
-
-
-def _unlocated(sample: Sample, turn: TurnRecord, n_images: int) -> str:
-    """Why a sample's images have no spans."""
-    if turn.image_token_id is None:
-        return "the engine's image placeholder id was not recorded (TRAJSTORE_IMAGE_TOKEN_ID)"
-    hits = sample.token_array() == turn.image_token_id
-    runs = int(np.count_nonzero(np.diff(np.concatenate(([0], hits.astype(np.int8)))) == 1))
-    return f"{runs} placeholder runs for {n_images} images"
 
 
 def final_branch(samples: Sequence[Sample]) -> Sample | None:
