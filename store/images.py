@@ -18,14 +18,12 @@ reports (vLLM: the model's image token repeated once per image feature, e.g. Qwe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:  # store.samples builds on this module
-    from trajstore.store.records import TurnRecord
-    from trajstore.store.samples import Sample
+from trajstore.store.payloads_request import ImageRecorded
 
 #: What a recorded body has in an image's URL in place of the image itself.
 REFERENCE_PREFIX = "trajstore-image:sha256:"
@@ -94,17 +92,20 @@ def image_spans(
     return [(int(s), int(e)) for s, e in zip(starts, ends, strict=True)]
 
 
-def sample_images(sample: Sample) -> list[dict[str, Any]]:
-    """The images of a sample's last turn, located in its tokens; where one is not (null
-    `start` and `end`), `reason` says why."""
-    session = sample.session
-    turn = session.turns[sample.turns[-1]]
-    hashes = turn.image_hashes
-    generated = sample.mask_array().astype(bool)
-    spans = image_spans(sample.token_array(), generated, turn.image_token_id, len(hashes))
+def sample_images(
+    tokens: np.ndarray,
+    generated: np.ndarray,
+    image_token_id: int | None,
+    hashes: Sequence[str | None],
+    recorded: Mapping[str, ImageRecorded],
+) -> list[dict[str, Any]]:
+    """A sample's images (its last turn's `hashes`, in prompt order) located in its `tokens`,
+    with what `recorded` says of each; where one is not located (null `start` and `end`),
+    `reason` says why."""
+    spans = image_spans(tokens, generated, image_token_id, len(hashes))
     reason = None
     if spans is None:
-        reason = _unlocated(sample, turn, len(hashes))
+        reason = _unlocated(tokens, image_token_id, len(hashes))
     else:
         # One image is one processor output: the same bytes twice with runs of different
         # lengths means the runs are not the images' (a guess would put features on text).
@@ -116,14 +117,14 @@ def sample_images(sample: Sample) -> list[dict[str, Any]]:
             spans = None
     images = []
     for n, sha256 in enumerate(hashes):
-        recorded = session.images.get(sha256 or "")
+        image = recorded.get(sha256 or "")
         start, end = (None, None) if spans is None else spans[n]
         images.append(
             {
                 "sha256": sha256,
-                "source": recorded.source if recorded else None,
-                "url": recorded.url if recorded else None,
-                "media_type": recorded.media_type if recorded else None,
+                "source": image.source if image else None,
+                "url": image.url if image else None,
+                "media_type": image.media_type if image else None,
                 "start": start,
                 "end": end,
                 "reason": reason,
@@ -132,10 +133,10 @@ def sample_images(sample: Sample) -> list[dict[str, Any]]:
     return images
 
 
-def _unlocated(sample: Sample, turn: TurnRecord, n_images: int) -> str:
+def _unlocated(tokens: np.ndarray, image_token_id: int | None, n_images: int) -> str:
     """Why a sample's images have no spans."""
-    if turn.image_token_id is None:
+    if image_token_id is None:
         return "the engine's image placeholder id was not recorded (TRAJSTORE_IMAGE_TOKEN_ID)"
-    hits = sample.token_array() == turn.image_token_id
+    hits = tokens == image_token_id
     runs = int(np.count_nonzero(np.diff(np.concatenate(([0], hits.astype(np.int8)))) == 1))
     return f"{runs} placeholder runs for {n_images} images"

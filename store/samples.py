@@ -334,8 +334,15 @@ def build_samples(session: SessionRecord) -> list[Sample]:
             sample.is_final = lineage.index == forest.main and number == len(lineage.branches) - 1
     for sample in samples:
         sample.token_bytes = bytes(sample.token_bytes)
-        if session.turns[sample.turns[-1]].n_images:
-            sample.images = sample_images(sample)
+        turn = session.turns[sample.turns[-1]]
+        if turn.n_images:
+            sample.images = sample_images(
+                sample.token_array(),
+                sample.mask_array().astype(bool),
+                turn.image_token_id,
+                turn.image_hashes,
+                session.images,
+            )
     return samples
 
 
