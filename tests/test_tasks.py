@@ -18,6 +18,7 @@ from rich.console import Console
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory
 from trajstore.client import AsyncClient
+from trajstore.run_cli import print_summary
 from trajstore.store import EventStore
 from trajstore.tasks import (
     Command,
@@ -28,7 +29,7 @@ from trajstore.tasks import (
     parse_task_toml,
     read_reward,
 )
-from trajstore.trials import TrialLoop, print_summary, run_trials
+from trajstore.trials import TrialLoop, run_trials
 
 # -- task.toml -----------------------------------------------------------------------------------
 

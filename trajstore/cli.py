@@ -29,7 +29,7 @@ LAZY_COMMANDS = {
     "ui": "trajstore.viewer.cli",
     "up": "trajstore.stack:up",
     "demo": "trajstore.demo:demo",
-    "run": "trajstore.trials:run",
+    "run": "trajstore.run_cli:run",
     "train": "trajstore.train_cli:train",
     "score": "trajstore.teacher:score",
 }
