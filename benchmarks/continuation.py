@@ -43,6 +43,7 @@ import orjson
 import uvloop
 from continuation_at_length import long_engine, report_lengths
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
+from overhead_report import print_sequential
 from proxy_overhead import ROOT, Server, Servers, cpu_seconds, start_vllm
 
 from trajstore.client import AsyncClient, SessionInfo
@@ -185,11 +186,7 @@ async def main(args: argparse.Namespace) -> int:
     print(f"continuation: {engine_name}, contexts of {args.context_tokens} words "
           f"(second turns' prompts: median {statistics.median(PROMPT_TOKENS[1::2])} tokens), "
           f"{args.sessions} second turns x {args.runs} runs, one at a time")  # fmt: skip
-    print(f"{'':10}{'CPU ms/turn (median of runs)':>30}{'p50 ms':>10}{'p90 ms':>10}")
-    for mode in ("text", "tokens"):
-        cuts = statistics.quantiles(latency[mode], n=10)
-        print(f"{mode:10}{1e3 * statistics.median(cpu[mode]):30.3f}"
-              f"{1e3 * statistics.median(latency[mode]):10.2f}{1e3 * cuts[8]:10.2f}")  # fmt: skip
+    print_sequential(cpu, latency, ("text", "tokens"), "turn", widths=(10, 30))
     extra_cpu = statistics.median(cpu["tokens"]) - statistics.median(cpu["text"])
     p50 = {mode: statistics.median(latency[mode]) for mode in latency}
     print(f"the engine renders and tokenises a second turn's conversation (/tokenize) in "

@@ -38,15 +38,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import asyncpg
 import gpu_long  # benchmarks/gpu_long.py, next to this file
 import numpy as np
 import torch
 from ingest import Databases  # benchmarks/ingest.py, next to this file
-from replay import COLUMNS, RUN_ID, make_rows  # benchmarks/replay.py
+from replay import RUN_ID, make_rows, write_rows  # benchmarks/replay.py
 
 from trajstore.store import EventStore
-from trajstore.store.connection import asyncpg_dsn
 from trajstore.store.embedded import database_url
 from trajstore.trainer.device import peak_memory, resolve_device
 from trajstore.trainer.learner import Learner, LearnerConfig
@@ -101,12 +99,7 @@ async def write_samples(url: str, n_tokens: int, sample_tokens: int, vocab: int)
     for i, row in enumerate(rows):
         tokens = np.frombuffer(row[9], dtype="<i4") % vocab  # type: ignore[call-overload]
         rows[i] = (*row[:9], tokens.astype("<i4").tobytes(), *row[10:])
-    conn = await asyncpg.connect(asyncpg_dsn(url))
-    try:
-        await conn.copy_records_to_table("samples", records=rows, columns=COLUMNS)
-        await conn.execute("VACUUM ANALYZE samples")
-    finally:
-        await conn.close()
+    await write_rows(url, rows)
     return sum(len(r[9]) // 4 for r in rows)  # type: ignore[arg-type]
 
 

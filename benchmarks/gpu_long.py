@@ -39,14 +39,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import numpy as np
 import torch
 from gpu_head import head_case  # benchmarks/gpu_head.py
-from replay import COLUMNS, GROUP_SIZE, SERVED  # benchmarks/replay.py
+from replay import GROUP_SIZE, SERVED, write_rows  # benchmarks/replay.py
 
 from trajstore.store import EventStore
-from trajstore.store.connection import asyncpg_dsn
 from trajstore.trainer.device import peak_memory, resolve_device, synchronize
 from trajstore.trainer.errors import TrainerError
 from trajstore.trainer.learner import Learner, LearnerConfig
@@ -101,16 +99,6 @@ def exact_rows(run_id: str, length: int, count: int, vocab: int) -> list[tuple[o
             prompt, length - prompt, 1, 0, ["0"], [], 1,
         ))  # fmt: skip
     return rows
-
-
-async def write_rows(url: str, rows: list[tuple[object, ...]]) -> None:
-    """Rows into `url`'s `samples` table."""
-    conn = await asyncpg.connect(asyncpg_dsn(url))
-    try:
-        await conn.copy_records_to_table("samples", records=rows, columns=COLUMNS)
-        await conn.execute("VACUUM ANALYZE samples")
-    finally:
-        await conn.close()
 
 
 def build_on(shape: dict[str, Any], attention: str, device: torch.device, longest: int) -> Any:

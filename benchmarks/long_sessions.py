@@ -38,6 +38,9 @@ Exits non-zero when a token is missing from the log, when `GET /sessions/{id}` w
 is 10 MB or more at `--turns`, or when the proxy keeps 100 MB more than before.
 TRAJSTORE_DATABASE_URL's server, else the embedded one (it needs the right to create
 databases). `--quick` (CI): 2 sessions of 500 turns and one of 100, one run, one round.
+
+This module is the command line, the run, the proxy's memory and the report; the agents and their
+engine are in long_sessions_agents.py, the read paths and the SQL in long_sessions_reads.py.
 """
 
 from __future__ import annotations
@@ -45,127 +48,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import io
 import os
-import statistics
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
-import asyncpg
 import httpx
-import orjson
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
+from long_sessions_agents import ENGINE_MAIN, Agent, Tally
+from long_sessions_reads import PAGE, SQL_TIMEOUT_S, Reading, baseline_paths, read_paths, turns_sql
 from overhead_servers import ROOT, Servers, proxy_argv
 
 from trajstore.store import EventStore
 from trajstore.store.embedded import database_url
-from trajstore.store.export import export
 from trajstore.store.projection import Projector
 
 sys.path.insert(0, str(ROOT))
 from tests.long_session import record_long_session
-from trajstore.store.samples import build_samples
 from trajstore.store.sessions import rebuild_session
-from trajstore.trainer.timeline import gather, json_pieces
 from trajstore.viewer import ViewerSettings, create_app
 
-SYSTEM_WORDS = 2_000
-COMPLETION = 8  #: tokens of each tool call the model makes (ending with end-of-turn)
-MAX_TOKENS = 2 * COMPLETION  #: asked for: the engine stops before, on its end-of-turn token
-SIDE_EVERY = 50  #: every 50th call is a title call: a lineage of its own
 MAX_GET_BYTES = 10 << 20  #: GET /sessions/{id} without options, at --turns
 MAX_KEPT_BYTES = 100 << 20  #: proxy resident memory after everything, over before
-PAGE = 100  #: turns per page of the paged reads (a viewer's page)
-ENGINE_MAIN = f"""
-import sys
-import uvloop
-sys.path.insert(0, sys.argv[1])
-from tests.proxy.fake_engine import FakeEngine, serve_forever
-
-uvloop.run(serve_forever(FakeEngine(call_tools=True, completion_tokens={COMPLETION}),
-                         int(sys.argv[2])))
-"""
-PATH = {"type": "object", "properties": {"path": {"type": "string"}}}
-TOOLS = [{"type": "function", "function": {"name": "read", "description": "Read a file",
-                                           "parameters": PATH}}]  # fmt: skip
-
-
-def tool_output(turn: int) -> str:
-    """What the tool sends back after `turn`: 12 words, growing by one every 250 turns."""
-    return " ".join(f"out{turn}_{j}" for j in range(12 + turn // 250))
-
-
-@dataclass
-class Tally:
-    """What the agents were told (usage), to reconcile with the log."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    calls: int = 0
-    longest_prompt: int = 0
-
-
-class Agent:
-    """One opencode-shaped session: its conversation kept serialised, a message appended a turn
-    (re-serialising 100 k tokens of history every turn would make the agent the benchmark)."""
-
-    def __init__(self, http: aiohttp.ClientSession, proxy: str, session_id: str, run: str) -> None:
-        self.http, self.proxy, self.session_id, self.run = http, proxy, session_id, run
-        system = {"role": "system", "content": " ".join(f"sys{j}" for j in range(SYSTEM_WORDS))}
-        task = {"role": "user", "content": "The test in tests/test_io.py fails; fix it."}
-        self.messages = b"[" + orjson.dumps(system) + b"," + orjson.dumps(task)
-        self.head = b'{"model":"tiny","max_tokens":%d,"tools":%s,"messages":' % (
-            MAX_TOKENS, orjson.dumps(TOOLS))  # fmt: skip
-        self.headers: dict[str, str] = {}
-        self.url = ""
-
-    async def run_turns(self, turns: int, tally: Tally) -> None:
-        create = {"run_id": self.run, "session_id": self.session_id}
-        created = await self._post(f"{self.proxy}/sessions", orjson.dumps(create))
-        self.headers = {"Authorization": f"Bearer {created['api_key']}"}
-        self.url = created["base_url"] + "/chat/completions"
-        started = time.perf_counter()
-        for turn in range(turns):
-            if turn and turn % 1000 == 0 and self.session_id == "long-0":
-                print(f"  {self.session_id}: {turn} turns, {time.perf_counter() - started:.0f} s, "
-                      f"prompt {tally.longest_prompt:,} tokens", flush=True)  # fmt: skip
-            if turn % SIDE_EVERY == SIDE_EVERY - 1:
-                title = [{"role": "user", "content": f"A title for this session, call {turn}"}]
-                body = orjson.dumps({"model": "tiny", "max_tokens": MAX_TOKENS, "messages": title})
-                self._count(await self._post(self.url, body, self.headers), tally)
-                continue
-            answer = await self._post(self.url, self.head + self.messages + b"]}", self.headers)
-            self._count(answer, tally)
-            reply = {k: v for k, v in answer["choices"][0]["message"].items() if v is not None}
-            result = {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"],
-                      "content": tool_output(turn)}  # fmt: skip
-            self.messages += b"," + orjson.dumps(reply) + b"," + orjson.dumps(result)
-        orchestrator = {"Authorization": f"Bearer {created['orchestrator_key']}"}
-        finish = f"{self.proxy}/sessions/{self.session_id}/finish"
-        await self._post(finish, b'{"status":"completed"}', orchestrator)
-
-    @staticmethod
-    def _count(answer: dict[str, object], tally: Tally) -> None:
-        usage = answer["usage"]
-        assert isinstance(usage, dict)
-        tally.prompt_tokens += usage["prompt_tokens"]
-        tally.completion_tokens += usage["completion_tokens"]
-        tally.longest_prompt = max(tally.longest_prompt, usage["prompt_tokens"])
-        tally.calls += 1
-
-    async def _post(self, url: str, body: bytes, headers: dict[str, str] | None = None) -> dict:
-        headers = {"Content-Type": "application/json", **(headers or {})}
-        async with self.http.post(url, data=body, headers=headers) as resp:
-            if resp.status not in (200, 201):
-                raise RuntimeError(f"{url}: {resp.status} {(await resp.text())[:500]}")
-            answer: dict = await resp.json(loads=orjson.loads)
-            return answer
 
 
 def children(pid: int) -> list[int]:
@@ -210,200 +117,6 @@ class ResidentMemory:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-@dataclass
-class Reading:
-    """One read path's medians on one session."""
-
-    seconds: list[float] = field(default_factory=list)
-    size: int = 0  #: bytes answered, where there is an answer
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.seconds)
-
-
-async def timed(
-    runs: int, read: Callable[[], Awaitable[int]], cold: Callable[[], Awaitable[None]] | None = None
-) -> Reading:
-    """The path read once untimed (connections, imports), then `runs` times (each after `cold`,
-    untimed, when given)."""
-    reading = Reading(size=await read())
-    for _ in range(runs):
-        if cold is not None:
-            await cold()
-        start = time.perf_counter()
-        reading.size = await read()
-        reading.seconds.append(time.perf_counter() - start)
-    return reading
-
-
-async def read_paths(
-    http: aiohttp.ClientSession, proxy: str, url: str, viewer: httpx.AsyncClient,
-    session_id: str, run: str, turns: int, runs: int, others: list[str],
-) -> dict[str, Reading]:  # fmt: skip
-    """Every read path over one session, timed. `others`: two other sessions, read to push
-    this one out of the reader's kept sessions before the cold reads."""
-    base = f"{proxy}/sessions/{session_id}"
-
-    async def get(address: str) -> int:
-        async with http.get(address) as resp:
-            assert resp.status == 200, await resp.text()
-            size = 0
-            async for piece in resp.content.iter_any():
-                size += len(piece)
-            return size
-
-    async def cold() -> None:
-        for other in others:
-            await get(f"{proxy}/sessions/{other}?limit=1")
-
-    async def pages() -> int:
-        size, address = 0, f"{base}?limit={PAGE}"
-        while address:
-            async with http.get(address) as resp:
-                body = await resp.read()
-            size += len(body)
-            address = orjson.loads(body)["next"]
-        return size
-
-    async def projection() -> int:
-        async with await EventStore.open(url) as store:
-            events = await store.read_session(session_id)
-        record = rebuild_session(session_id, events, packed=True)
-        return sum(s.n_tokens for s in build_samples(record)) * 4
-
-    async def exported() -> int:
-        with tempfile.TemporaryDirectory() as scratch:
-            out = Path(scratch) / "session.parquet"
-            async with await EventStore.open(url) as store:
-                await export(store, out, runs=[run])
-            return out.stat().st_size
-
-    async def replay() -> int:
-        gathered = await gather(url, session_id, None, None)
-        sink = io.BytesIO()  # written a piece at a time, as to a terminal; kept only to size it
-        for piece in json_pieces(gathered, None, None):
-            sink.write(piece)
-        return sink.tell()
-
-    async def page() -> int:
-        viewer_state = viewer._transport.app.state.viewer  # type: ignore[attr-defined]
-        viewer_state.sessions.clear()  # cold: read and rebuilt
-        answer = await viewer.get(f"/sessions/{session_id}")
-        assert answer.status_code == 200
-        return len(answer.content)
-
-    async def turn_body() -> int:
-        answer = await viewer.get(f"/sessions/{session_id}/turns/{turns - 2}")
-        assert answer.status_code == 200
-        return len(answer.content)
-
-    return {
-        "GET /sessions/{id}": await timed(runs, lambda: get(base)),
-        f"  every page of {PAGE}, cold": await timed(runs, pages, cold),
-        f"  every page of {PAGE}, kept": await timed(runs, pages),
-        "  first page, cold": await timed(runs, lambda: get(f"{base}?limit={PAGE}"), cold),
-        "  a page, kept": await timed(runs, lambda: get(f"{base}?after={turns // 2}&limit={PAGE}")),
-        "  one turn whole (?turn=N)": await timed(runs, lambda: get(f"{base}?turn={turns - 2}")),
-        "  one turn (/turns/N)": await timed(runs, lambda: get(f"{base}/turns/{turns - 2}")),
-        "projection (fold + samples)": await timed(runs, projection),
-        "trajstore export (Parquet)": await timed(runs, exported),
-        "replay session --json": await timed(runs, replay),
-        "viewer: page, cold": await timed(runs, page),
-        "viewer: last turn's body": await timed(runs, turn_body),
-    }
-
-
-async def baseline_paths(
-    http: aiohttp.ClientSession, proxy: str, session_id: str, turns: int, runs: int,
-    *, paged: bool = True,
-) -> dict[str, Reading]:  # fmt: skip
-    """The proxy's read paths that both proxies serve, timed (another checkout's proxy); every
-    page only when `paged` (a rebuild per page there: minutes at 5,000 turns)."""
-    base = f"{proxy}/sessions/{session_id}"
-
-    async def get(address: str) -> int:
-        async with http.get(address) as resp:
-            assert resp.status == 200, await resp.text()
-            return len(await resp.read())
-
-    async def pages() -> int:
-        size, address = 0, f"{base}?limit={PAGE}"
-        while address:
-            async with http.get(address) as resp:
-                body = await resp.read()
-            size += len(body)
-            address = orjson.loads(body)["next"]
-        return size
-
-    read = {"GET /sessions/{id}": await timed(runs, lambda: get(base))}
-    if paged:
-        read[f"  every page of {PAGE}, cold"] = await timed(runs, pages)
-    read["  first page, cold"] = await timed(runs, lambda: get(f"{base}?limit={PAGE}"))
-    read["  one turn whole (?turn=N)"] = await timed(runs, lambda: get(f"{base}?turn={turns - 2}"))
-    return read
-
-
-#: SQL over the `turns` view of one run, before (migration 0017's view) and after 0020.
-TURNS_SQL = {
-    "every column but whole messages": """
-        SELECT session_id, request_id, position, api, engine, policy_version, tools, sampling,
-               status, finish_reason, completion_text, tool_calls, n_tool_calls, prompt_tokens,
-               completion_tokens, latency_s, ttft_s, failure, prompt_source, lineage
-        FROM turns WHERE run_id = $1""",
-    "... and what each turn stored": """
-        SELECT request_id, messages_added, messages_prefix FROM turns WHERE run_id = $1""",
-    "the last turn's whole messages": """
-        SELECT messages FROM turns WHERE run_id = $1 ORDER BY position DESC LIMIT 1""",
-    "every turn's whole messages": """
-        SELECT sum(jsonb_array_length(messages)) FROM turns WHERE run_id = $1""",
-}
-SQL_TIMEOUT_S = 120
-TIMEOUT_MS = SQL_TIMEOUT_S * 1000
-
-
-async def turns_sql(url: str, runs: list[tuple[str, int]], whole_up_to: int) -> dict:
-    """Each of TURNS_SQL on each run (least of 2), with the view as migration 0017 left it, then
-    as 0020 makes it (the store migrated down and up again, same data). A query past
-    SQL_TIMEOUT_S reads as None; every turn's whole messages only on runs of at most
-    `whole_up_to` turns (they are the square of a session)."""
-    from trajstore.store import migrations
-
-    async def measure(revision: str) -> dict[tuple[str, str], float | None]:
-        times: dict[tuple[str, str], float | None] = {}
-        async with await EventStore.open(url) as store:
-            for name, sql in TURNS_SQL.items():
-                if revision == "0017" and "messages_added" in sql:
-                    continue
-                for run, turns in runs:
-                    if name.startswith("every turn's") and turns > whole_up_to:
-                        continue
-                    best: float | None = None
-                    for _ in range(2):
-                        start = time.perf_counter()
-                        try:
-                            async with store.pool.acquire() as conn, conn.transaction():
-                                await conn.execute(
-                                    f"SET LOCAL statement_timeout = '{SQL_TIMEOUT_S}s'"
-                                )
-                                await conn.fetch(sql, run)
-                        except asyncpg.QueryCanceledError:
-                            best = None
-                            break
-                        took = time.perf_counter() - start
-                        best = took if best is None else min(best, took)
-                    times[name, run] = best
-        return times
-
-    after = await measure("0020")
-    await asyncio.to_thread(migrations.downgrade, url, "0017_partition_keys")
-    try:
-        before = await measure("0017")
-    finally:
-        await asyncio.to_thread(migrations.upgrade, url, "head")
-    return {"before": before, "after": after}
 
 
 def mib(n: float) -> str:

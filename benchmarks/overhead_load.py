@@ -8,7 +8,9 @@ import asyncio
 import os
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import asyncpg
@@ -48,6 +50,22 @@ class Target:
 
 class RequestFailed(Exception):
     """A request that did not end in a complete answer."""
+
+
+async def chat_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of a streamed chat completion as they arrive, parsed; RequestFailed when the
+    stream ends before its `data: [DONE]`."""
+    done = False
+    async for line in resp.content:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            done = True
+            continue
+        yield orjson.loads(data)
+    if not done:
+        raise RequestFailed("stream ended before [DONE]")
 
 
 @dataclass
@@ -109,15 +127,7 @@ async def one_request(
                 if not done:
                     raise RequestFailed("stream ended before its last event")
             else:
-                done = False
-                async for line in resp.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        done = True
-                        continue
-                    chunk = orjson.loads(data)
+                async for chunk in chat_chunks(resp):
                     if "error" in chunk:
                         raise RequestFailed("error in stream")
                     if chunk.get("usage"):  # asked for with a real engine: exact counts
@@ -126,8 +136,6 @@ async def one_request(
                         tokens += 1
                         if ttft is None:
                             ttft = time.perf_counter() - started
-                if not done:
-                    raise RequestFailed("stream ended before [DONE]")
     except (RequestFailed, aiohttp.ClientError, TimeoutError) as exc:
         tally.errors[f"{type(exc).__name__}: {exc}"[:120]] += 1
         return

@@ -1,5 +1,6 @@
 """The tables and ratios `proxy_overhead.py` prints: medians over runs, each target against the
-floor, the baseline, chat (other APIs), direct (a real engine) and tracing off (`--tracing`)."""
+floor, the baseline, chat (other APIs), direct (a real engine) and tracing off (`--tracing`); and
+the table of the benchmarks that send one request at a time (`continuation.py`, `relay.py`)."""
 
 from __future__ import annotations
 
@@ -159,3 +160,22 @@ def print_throughput(rows: dict[tuple[str, str, int], Row], levels: list[int]) -
             ours = rows[("trajstore", mode, conc)]
             parts.append(f"c={conc} {asked.rps / direct.rps:.2f}× / {ours.rps / asked.rps:.2f}×")
         print(f"  {mode:<10} " + "   ".join(parts))
+
+
+def print_sequential(
+    cpu: dict[str, list[float]],
+    latency: dict[str, list[float]],
+    names: tuple[str, ...],
+    per: str,
+    widths: tuple[int, int],
+) -> None:
+    """A row per path of requests sent one at a time: its CPU ms per `per` (request, turn),
+    median of the runs' figures in `cpu`, then the p50 and p90 of all its `latency` seconds;
+    `widths`: of the name column and of the CPU column."""
+    name_width, cpu_width = widths
+    title = f"CPU ms/{per} (median of runs)"
+    print(f"{'':{name_width}}{title:>{cpu_width}}{'p50 ms':>10}{'p90 ms':>10}")
+    for name in names:
+        cuts = statistics.quantiles(latency[name], n=10)
+        print(f"{name:{name_width}}{1e3 * statistics.median(cpu[name]):{cpu_width}.3f}"
+              f"{1e3 * statistics.median(latency[name]):10.2f}{1e3 * cuts[8]:10.2f}")  # fmt: skip

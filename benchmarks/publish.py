@@ -40,23 +40,8 @@ from openai import AsyncOpenAI, OpenAIError
 from trajstore.publish import Publisher, untied_copy
 from trajstore.store import EventStore
 from trajstore.store.embedded import database_url
-from trajstore.tiny_model import build_tiny_model
+from trajstore.tiny_model import build_tiny_model, moved_policy
 from trajstore.train_cli import SERVED_NAME, live_services
-
-
-def moved_policy(model_dir: Path, out_dir: Path) -> Path:
-    """A second checkpoint: every weight moved (what a trainer's step gives)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
-    return out_dir
 
 
 class Phase:

@@ -27,6 +27,7 @@ import aiohttp
 import orjson
 import uvloop
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
+from overhead_report import print_sequential
 from proxy_overhead import ROOT, Server, Servers, cpu_seconds
 
 from trajstore.client import AsyncClient, SessionInfo
@@ -127,11 +128,7 @@ async def main(args: argparse.Namespace) -> int:
 
     print(f"relay: fake engine (instant), streamed chat of {args.tokens} tokens, "
           f"{args.requests} requests x {args.runs} runs per path, one at a time")  # fmt: skip
-    print(f"{'':8}{'CPU ms/request (median of runs)':>32}{'p50 ms':>10}{'p90 ms':>10}")
-    for name in ("direct", "relay"):
-        cuts = statistics.quantiles(latency[name], n=10)
-        print(f"{name:8}{1e3 * statistics.median(cpu[name]):32.3f}"
-              f"{1e3 * statistics.median(latency[name]):10.2f}{1e3 * cuts[8]:10.2f}")  # fmt: skip
+    print_sequential(cpu, latency, ("direct", "relay"), "request", widths=(8, 32))
     ratio = statistics.median(cpu["relay"]) / statistics.median(cpu["direct"])
     p50 = {name: statistics.median(latency[name]) for name in latency}
     added = p50["relay"] - p50["direct"]

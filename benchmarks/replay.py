@@ -85,6 +85,16 @@ def make_rows(n_tokens: int, sample_tokens: int, seed: int = 0) -> list[tuple[ob
     return rows
 
 
+async def write_rows(url: str, rows: list[tuple[object, ...]]) -> None:
+    """Rows of COLUMNS into `url`'s `samples` table, analysed (the planner sees them)."""
+    conn = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        await conn.copy_records_to_table("samples", records=rows, columns=COLUMNS)
+        await conn.execute("VACUUM ANALYZE samples")
+    finally:
+        await conn.close()
+
+
 async def raw_read(conn: asyncpg.Connection) -> int:
     """The same rows and arrays, one SELECT, np.frombuffer: tokens read."""
     rows = await conn.fetch(
@@ -126,11 +136,10 @@ async def main(n_tokens: int, sample_tokens: int, runs: int, batch_size: int, bu
     url = databases.url_of(databases.template)
     try:
         rows = make_rows(n_tokens, sample_tokens)
+        await write_rows(url, rows)
         conn = await asyncpg.connect(asyncpg_dsn(url))
         store = await EventStore.open(url, max_size=2)  # open once, like the raw connection
         try:
-            await conn.copy_records_to_table("samples", records=rows, columns=COLUMNS)
-            await conn.execute("VACUUM ANALYZE samples")
             total = sum(len(r[9]) // 4 for r in rows)  # type: ignore[arg-type]
             print(f"workload: {len(rows)} samples, {total} tokens, batches of {batch_size}, "
                   f"packed rows of {budget} tokens")  # fmt: skip

@@ -45,6 +45,7 @@ import asyncpg
 import orjson
 import uvloop
 from ingest import Databases  # benchmarks/ is on sys.path when this runs as a script
+from overhead_load import RequestFailed, chat_chunks
 from proxy_overhead import ENGINE_MAIN, DbBackends, Server, Servers, cpu_seconds, percentile
 
 from trajstore.store.connection import asyncpg_dsn
@@ -126,21 +127,11 @@ async def take_turn(
             ]
         pieces: list[str] = []
         tokens = 0
-        done = False
-        async for line in resp.content:
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                done = True
-                continue
-            chunk = orjson.loads(data)
+        async for chunk in chat_chunks(resp):
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices", ()):
                 pieces.append((choice.get("delta") or {}).get("content") or "")
-        if not done:
-            raise RuntimeError("stream ended before [DONE]")
         return "".join(pieces), tokens
 
 
@@ -173,7 +164,7 @@ async def agent(
             started = time.perf_counter()
             try:
                 text, tokens = await take_turn(http, session, messages, stream=turn % 2 == 1)
-            except (RuntimeError, aiohttp.ClientError) as exc:
+            except (RuntimeError, RequestFailed, aiohttp.ClientError) as exc:
                 tally.error(f"turn: {exc}"[:100])
                 continue
             tally.turn_latencies.append(time.perf_counter() - started)

@@ -13,17 +13,15 @@ from __future__ import annotations
 import asyncio
 import random
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import torch
 from openai import AsyncOpenAI
 
 from trajstore.publish import Publisher, untied_copy
 from trajstore.store import EventStore
 from trajstore.store.payloads import PolicySwitchLive, load
-from trajstore.tiny_model import build_tiny_model
+from trajstore.tiny_model import build_tiny_model, moved_policy
 from trajstore.train_cli import SERVED_NAME, live_services
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -41,20 +39,6 @@ async def engine_logprobs(http: httpx.AsyncClient, engine_url: str, ids: list[in
     reply = (await http.post(f"{engine_url}/v1/completions", json=body)).raise_for_status()
     entries = reply.json()["choices"][0]["prompt_logprobs"][1:]
     return [entry[str(ids[i + 1])]["logprob"] for i, entry in enumerate(entries)]
-
-
-def moved_policy(model_dir: Path, out_dir: Path) -> Path:
-    """A second checkpoint: every weight of `model_dir`'s moved (a "trained" policy)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
-    return out_dir
 
 
 async def test_a_turn_switched_mid_stream_is_one_turn_with_two_exact_spans(

@@ -231,6 +231,22 @@ def reweighted_copy(model_dir: Path, out_dir: Path, *, seed: int) -> Path:
     return out_dir
 
 
+def moved_policy(model_dir: Path, out_dir: Path) -> Path:
+    """A second checkpoint of a generated model: every weight of `model_dir`'s moved by seeded
+    noise (what a trainer's step gives), its tokenizer alongside; a policy to switch to."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+    return out_dir
+
+
 def build_tiny_moe(out_dir: Path, *, seed: int = 0, experts: int = 8, top_k: int = 2) -> Path:
     """A tiny Qwen3-MoE-shaped chat model (2 MoE layers of `experts` experts, top-`top_k`)
     with the generated tokenizer of `seed`: for routing replay (`trainer.routing`)."""
