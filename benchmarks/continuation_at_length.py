@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,7 @@ async def grow(
     reply = {"role": "assistant", "content": "I will run the next step now."}
     sampled = [*(await _tokens(http, engine.url, [reply]))[-8:], reply_end[0]]
     ending = Ending(encode_token_ids(sampled), "stop", None, reply)
-    chain = Chain()
+    chain: Chain | None = None  # the lineage's audit state, as the proxy keeps it
     rows, cpu = [], 0.0
     for k in range(1, max(lengths) + 1):
         history, serialised = messages, orjson.dumps(messages)
@@ -130,6 +131,10 @@ async def grow(
         turn = Turn(f"t{k}", len(prompt) // 4, len(history), len(serialised),
                     messages_key(serialised), render_key(body), (ending,), held_prompt=prompt,
                     chain=chain)  # fmt: skip
+        if chain is None:
+            chain = turn.chain = Chain(turn, deque([turn]))
+        else:
+            chain.append(turn)
         started = time.process_time()
         plan = await continuer.plan(engine, body, [turn], turn, _nothing)
         cpu += time.process_time() - started
