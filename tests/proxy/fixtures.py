@@ -17,7 +17,7 @@ import uvicorn
 from openai import AsyncOpenAI
 
 from tests.conftest import free_port
-from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fake_engine import IMAGE_PAD, FakeEngine
 from trajstore.proxy.app import create_app
 from trajstore.proxy.server import SERVER_OPTIONS
 from trajstore.proxy.settings import ProxySettings
@@ -131,9 +131,22 @@ async def tool_engine() -> AsyncIterator[FakeEngine]:
 
 
 @pytest.fixture
+async def vlm() -> AsyncIterator[FakeEngine]:
+    """The fake engine as a vision-language model."""
+    async with FakeEngine(vision=True, completion_tokens=6) as fake:
+        yield fake
+
+
+@pytest.fixture
 async def proxy(start_proxy: ProxyFactory, engine: FakeEngine) -> RunningProxy:
     """One proxy in front of one fake engine."""
     return await start_proxy([engine.url])
+
+
+@pytest.fixture
+async def vlm_proxy(start_proxy: ProxyFactory, vlm: FakeEngine) -> RunningProxy:
+    """One proxy in front of the fake vision-language engine, locating its images' placeholders."""
+    return await start_proxy([vlm.url], image_token_id=IMAGE_PAD, max_image_bytes=64 * 1024)
 
 
 @pytest.fixture
