@@ -18,7 +18,7 @@ from typing import Any
 import anthropic
 import pytest
 
-from tests.proxy.fake_engine import FakeEngine, _content, version_logprob
+from tests.proxy.fake_engine import FakeEngine, content_text, version_logprob
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
 from trajstore.publish import Publisher, PublishFailed
 from trajstore.store import EventStore
@@ -89,7 +89,7 @@ def exact(choice: dict[str, Any], n: int = N) -> list[str]:
 
 
 def text_of(ids: list[int]) -> str:
-    return "".join(_content(t) for t in ids)
+    return "".join(content_text(t) for t in ids)
 
 
 async def streamed_chat(
