@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.trainer.rows import insert_samples, sample_row
+from tests.trainer.rows import sample_row, store_samples
 from trajstore.live import LiveConfig, train_live
 from trajstore.store import EventStore
 from trajstore.tiny_model import build_tiny_model
@@ -65,8 +65,7 @@ async def test_a_live_run_resumes_at_the_next_version_without_training_a_sample_
         for g in range(5)
         for m in range(4)
     ]  # fmt: skip
-    async with store.pool.acquire() as conn:
-        await insert_samples(conn, rows)
+    await store_samples(store, rows)
     checkpoints = tmp_path / "checkpoints"
 
     first, history = await run(store, model_dir, checkpoints, policies=2)

@@ -14,14 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import free_port
-from tests.proxy.fixtures import ProxyFactory
+from tests.proxy.fixtures import ProxyFactory, served_vllm
 from trajstore.store import EventStore, EventType
 from trajstore.store.projection import Projector
 from trajstore.tiny_model import build_tiny_moe
 from trajstore.trainer.loss import token_logprobs
 from trajstore.trainer.routing import captured, replayed
-from trajstore.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -30,13 +28,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def moe_engine() -> Iterator[tuple[str, Path]]:
     workdir = Path(tempfile.mkdtemp(prefix="trajstore-moe-"))
     model = build_tiny_moe(workdir / "model")
-    server = VllmServer(model, free_port(), served_model_name="tiny", log_file=workdir / "vllm.log",
-                        max_model_len=1024)  # fmt: skip
-    server.start()
-    try:
-        yield server.url, model
-    finally:
-        server.stop()
+    with served_vllm(model, workdir, max_model_len=1024) as url:
+        yield url, model
 
 
 async def test_a_sample_of_the_moe_engine_is_reproduced_by_the_trainers_forward(

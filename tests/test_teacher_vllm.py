@@ -18,8 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import free_port
-from tests.proxy.fixtures import ProxyFactory
+from tests.proxy.fixtures import ProxyFactory, served_vllm
 from tests.support import RecordedSession
 from trajstore.store import EventStore
 from trajstore.store.projection import Projector
@@ -32,7 +31,6 @@ from trajstore.store.side_data import (
 )
 from trajstore.teacher import Teacher, score_run
 from trajstore.tiny_model import build_tiny_model, reweighted_copy
-from trajstore.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -46,15 +44,8 @@ def teacher_engine() -> Iterator[str]:
     workdir = Path(tempfile.mkdtemp(prefix="trajstore-teacher-"))
     student = build_tiny_model(workdir / "student", seed=0)
     teacher = reweighted_copy(student, workdir / "teacher", seed=7)
-    server = VllmServer(
-        teacher, free_port(), served_model_name="teacher", log_file=workdir / "vllm.log",
-        max_model_len=MAX_LEN,
-    )  # fmt: skip
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    with served_vllm(teacher, workdir, served_model_name="teacher", max_model_len=MAX_LEN) as url:
+        yield url
 
 
 async def record_run(proxy: ProxyFactory, sessions: int) -> None:

@@ -17,7 +17,7 @@ import uvicorn
 from openai import AsyncOpenAI
 
 from tests.conftest import free_port
-from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fake_engine import IMAGE_PAD, FakeEngine
 from trajstore.proxy.app import create_app
 from trajstore.proxy.server import SERVER_OPTIONS
 from trajstore.proxy.settings import ProxySettings
@@ -131,9 +131,22 @@ async def tool_engine() -> AsyncIterator[FakeEngine]:
 
 
 @pytest.fixture
+async def vlm() -> AsyncIterator[FakeEngine]:
+    """The fake engine as a vision-language model."""
+    async with FakeEngine(vision=True, completion_tokens=6) as fake:
+        yield fake
+
+
+@pytest.fixture
 async def proxy(start_proxy: ProxyFactory, engine: FakeEngine) -> RunningProxy:
     """One proxy in front of one fake engine."""
     return await start_proxy([engine.url])
+
+
+@pytest.fixture
+async def vlm_proxy(start_proxy: ProxyFactory, vlm: FakeEngine) -> RunningProxy:
+    """One proxy in front of the fake vision-language engine, locating its images' placeholders."""
+    return await start_proxy([vlm.url], image_token_id=IMAGE_PAD, max_image_bytes=64 * 1024)
 
 
 @pytest.fixture
@@ -151,20 +164,25 @@ async def events_of(database_url: str) -> AsyncIterator[Callable[[str], Awaitabl
 
 
 @contextlib.contextmanager
-def served_tiny_model(*, seed: int = 0, prefix: str = "trajstore-vllm-") -> Iterator[str]:
-    """A real vLLM (CPU build) on a freshly generated tiny model of `seed`: its URL."""
-    workdir = Path(tempfile.mkdtemp(prefix=prefix))
-    model = build_tiny_model(workdir / "model", seed=seed)
-    # Trusting a request's chat template lets tests try other templates on the same engine.
-    server = VllmServer(
-        model, free_port(), log_file=workdir / "vllm.log",
-        extra_args=("--trust-request-chat-template",),
-    )  # fmt: skip
+def served_vllm(model: Path, workdir: Path, **options: Any) -> Iterator[str]:
+    """A real vLLM (CPU build) serving `model` on a free port, its log in `workdir`: its URL;
+    stopped on the way out. `options` are `VllmServer`'s (max_model_len, extra_args, ...)."""
+    server = VllmServer(model, free_port(), log_file=workdir / "vllm.log", **options)
     server.start()
     try:
         yield server.url
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def served_tiny_model(*, seed: int = 0, prefix: str = "trajstore-vllm-") -> Iterator[str]:
+    """A real vLLM (CPU build) on a freshly generated tiny model of `seed`: its URL."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    model = build_tiny_model(workdir / "model", seed=seed)
+    # Trusting a request's chat template lets tests try other templates on the same engine.
+    with served_vllm(model, workdir, extra_args=("--trust-request-chat-template",)) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -183,12 +201,8 @@ def served_tiny_vlm() -> Iterator[tuple[str, Path]]:
     (`trajstore.tiny_vlm`): its URL and the model's directory (its processor)."""
     workdir = Path(tempfile.mkdtemp(prefix="trajstore-vlm-"))
     model = build_tiny_vlm(workdir / "model")
-    server = VllmServer(model, free_port(), log_file=workdir / "vllm.log", max_model_len=8192)
-    server.start()
-    try:
-        yield server.url, model
-    finally:
-        server.stop()
+    with served_vllm(model, workdir, max_model_len=8192) as url:
+        yield url, model
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,12 @@ import httpx
 import openai
 import pytest
 
+from tests.proxy.apis_wire import ADD_SCHEMA
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
 
-ADD = {
-    "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"],
-}
-CLAUDE_TOOLS: Any = [{"name": "add", "description": "Add two numbers.", "input_schema": ADD}]
-RESPONSES_TOOLS: Any = [{"type": "function", "name": "add", "parameters": ADD}]
+CLAUDE_TOOLS: Any = [{"name": "add", "description": "Add two numbers.", "input_schema": ADD_SCHEMA}]
+RESPONSES_TOOLS: Any = [{"type": "function", "name": "add", "parameters": ADD_SCHEMA}]
 
 
 @pytest.fixture

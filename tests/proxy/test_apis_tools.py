@@ -13,18 +13,13 @@ import anthropic
 import openai
 import pytest
 
-from tests.proxy.apis_wire import CLAUDE_CODE_FIRST, CODEX_FIRST, captured, sse
+from tests.proxy.apis_wire import ADD_SCHEMA, CLAUDE_CODE_FIRST, CODEX_FIRST, captured, sse
 from tests.proxy.fake_engine import FakeEngine
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
 
-ADD = {
-    "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"],
-}
 CALC: Any = {
     "type": "namespace", "name": "calc", "description": "Arithmetic.",
-    "tools": [{"type": "function", "name": "add", "parameters": ADD}],
+    "tools": [{"type": "function", "name": "add", "parameters": ADD_SCHEMA}],
 }  # fmt: skip
 NOTE: Any = {"type": "custom", "name": "note", "description": "Write a note."}
 WEB_SEARCH: Any = {"type": "web_search", "external_web_access": False}

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
+from tests.proxy.apis_wire import ADD_SCHEMA
 from tests.proxy.fixtures import ProxyFactory, RunningProxy, made_whole
 from trajstore.store import EventStore
 from trajstore.store.samples import build_samples
@@ -25,11 +26,6 @@ from trajstore.store.sessions import rebuild_session
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SYSTEM = "You add numbers with the add tool."
-ADD_SCHEMA = {
-    "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"],
-}
 TWO_TEXTS = [{"type": "text", "text": "add 2"}, {"type": "text", "text": "and 3"}]
 CHAT_TOOLS = [
     {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +48,6 @@ def image(url: str) -> dict[str, Any]:
 
 def user(text: str, *images: str) -> dict[str, Any]:
     return {"role": "user", "content": [{"type": "text", "text": text}, *map(image, images)]}
-
-
-@pytest.fixture
-async def vlm() -> AsyncIterator[FakeEngine]:
-    """The fake engine as a vision-language model."""
-    async with FakeEngine(vision=True, completion_tokens=6) as fake:
-        yield fake
-
-
-@pytest.fixture
-async def proxy(start_proxy: ProxyFactory, vlm: FakeEngine) -> RunningProxy:
-    return await start_proxy([vlm.url], image_token_id=IMAGE_PAD, max_image_bytes=64 * 1024)
 
 
 async def chat(
@@ -106,14 +94,14 @@ async def three_turns(proxy: RunningProxy) -> tuple[dict[str, Any], list[list[An
 
 
 async def test_images_reach_the_engine_unchanged_and_are_recorded_once_per_session(
-    proxy: RunningProxy, vlm: FakeEngine, events_of: Callable[[str], Awaitable[list[Any]]]
+    vlm_proxy: RunningProxy, vlm: FakeEngine, events_of: Callable[[str], Awaitable[list[Any]]]
 ) -> None:
-    session, sent = await three_turns(proxy)
+    session, sent = await three_turns(vlm_proxy)
 
     # The engine got every message as the agent sent it: the data URLs, the URL to fetch.
     assert [request["messages"] for request in vlm.requests] == sent
 
-    assert (await proxy.finish(session["session_id"])).status_code == 200  # all stored
+    assert (await vlm_proxy.finish(session["session_id"])).status_code == 200  # all stored
     events = await events_of(session["session_id"])
     images = [e for e in events if e.type == EventType.IMAGE_RECORDED]
     assert sorted((e.payload["sha256"], e.payload["source"]) for e in images) == sorted(
@@ -134,7 +122,7 @@ async def test_images_reach_the_engine_unchanged_and_are_recorded_once_per_sessi
         assert event.stream_version > 1
 
     # The bodies refer to the images by hash; the record shows how many and the placeholder.
-    record = await proxy.session_record(session["session_id"])
+    record = await vlm_proxy.session_record(session["session_id"])
     first, _, third = record["turns"]
     parts = first["messages"][0]["content"]
     assert parts[1]["image_url"]["url"] == f"trajstore-image:sha256:{sha(PNG_A)}"
@@ -165,10 +153,10 @@ async def test_images_reach_the_engine_unchanged_and_are_recorded_once_per_sessi
 
 
 async def test_the_export_carries_the_images_and_their_bytes_by_hash(
-    proxy: RunningProxy, database_url: str, tmp_path: Path
+    vlm_proxy: RunningProxy, database_url: str, tmp_path: Path
 ) -> None:
-    session, _ = await three_turns(proxy)
-    assert (await proxy.finish(session["session_id"])).status_code == 200
+    session, _ = await three_turns(vlm_proxy)
+    assert (await vlm_proxy.finish(session["session_id"])).status_code == 200
     async with await EventStore.open(database_url) as store:
         await Projector(store).run_once()
         out = tmp_path / "samples.parquet"
@@ -229,11 +217,11 @@ async def test_an_image_recorded_again_on_another_replica_is_one_image_to_reader
     ],
 )
 async def test_a_malformed_image_is_a_400_that_says_what_to_fix(
-    proxy: RunningProxy, vlm: FakeEngine, url: str, says: str,
+    vlm_proxy: RunningProxy, vlm: FakeEngine, url: str, says: str,
     events_of: Callable[[str], Awaitable[list[Any]]],
 ) -> None:  # fmt: skip
-    session = await proxy.new_session()
-    response = await chat(proxy, session, [user("look", url)])
+    session = await vlm_proxy.new_session()
+    response = await chat(vlm_proxy, session, [user("look", url)])
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert says in error["message"]
@@ -243,10 +231,10 @@ async def test_a_malformed_image_is_a_400_that_says_what_to_fix(
 
 
 async def test_an_image_over_the_limit_is_a_413_that_gives_the_limit(
-    proxy: RunningProxy, vlm: FakeEngine
+    vlm_proxy: RunningProxy, vlm: FakeEngine
 ) -> None:
-    session = await proxy.new_session()
-    response = await chat(proxy, session, [user("look", data_url(bytes(70 * 1024)))])
+    session = await vlm_proxy.new_session()
+    response = await chat(vlm_proxy, session, [user("look", data_url(bytes(70 * 1024)))])
     assert response.status_code == 413, response.text
     message = response.json()["error"]["message"]
     assert message == (

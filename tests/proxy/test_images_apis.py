@@ -8,7 +8,7 @@ agent's part, with nothing recorded.
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anthropic
@@ -16,21 +16,9 @@ import pytest
 from openai import AsyncOpenAI, BadRequestError
 
 from tests.proxy.fake_engine import IMAGE_PAD, FakeEngine, image_token_count
-from tests.proxy.fixtures import ProxyFactory, RunningProxy
+from tests.proxy.fixtures import RunningProxy
 from tests.proxy.test_images import PNG_A, PNG_B, URL, data_url, sha
 from trajstore.store import EventType
-
-
-@pytest.fixture
-async def vlm() -> AsyncIterator[FakeEngine]:
-    """The fake engine as a vision-language model."""
-    async with FakeEngine(vision=True, completion_tokens=6) as fake:
-        yield fake
-
-
-@pytest.fixture
-async def proxy(start_proxy: ProxyFactory, vlm: FakeEngine) -> RunningProxy:
-    return await start_proxy([vlm.url], image_token_id=IMAGE_PAD, max_image_bytes=64 * 1024)
 
 
 def claude(session: dict[str, Any]) -> anthropic.AsyncAnthropic:
@@ -46,10 +34,10 @@ def base64_block(data: bytes) -> dict[str, Any]:
 
 
 async def test_anthropic_images_are_recorded_once_by_reference_and_located_in_the_sample(
-    proxy: RunningProxy, vlm: FakeEngine, database_url: str,
+    vlm_proxy: RunningProxy, vlm: FakeEngine, database_url: str,
     events_of: Callable[[str], Awaitable[list[Any]]],
 ) -> None:  # fmt: skip
-    session = await proxy.new_session()
+    session = await vlm_proxy.new_session()
     client = claude(session)
     url_block = {"type": "image", "source": {"type": "url", "url": URL}}
     messages: list[dict[str, Any]] = [
@@ -68,7 +56,7 @@ async def test_anthropic_images_are_recorded_once_by_reference_and_located_in_th
     assert parts[1] == {"type": "image_url", "image_url": {"url": data_url(PNG_A)}}
     assert parts[2] == {"type": "image_url", "image_url": {"url": URL}}
 
-    [sample] = await proxy.finished_samples(database_url, session["session_id"])  # all stored
+    [sample] = await vlm_proxy.finished_samples(database_url, session["session_id"])  # all stored
     events = await events_of(session["session_id"])
     recorded = [e.payload for e in events if e.type == EventType.IMAGE_RECORDED]
     assert sorted(p["sha256"] for p in recorded) == sorted([sha(PNG_A), sha(URL), sha(PNG_B)])
@@ -93,10 +81,10 @@ async def test_anthropic_images_are_recorded_once_by_reference_and_located_in_th
 
 
 async def test_responses_input_images_are_recorded_by_reference_and_located(
-    proxy: RunningProxy, vlm: FakeEngine, database_url: str,
+    vlm_proxy: RunningProxy, vlm: FakeEngine, database_url: str,
     events_of: Callable[[str], Awaitable[list[Any]]],
 ) -> None:  # fmt: skip
-    session = await proxy.new_session()
+    session = await vlm_proxy.new_session()
     client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
     item = {"role": "user", "content": [
         {"type": "input_text", "text": "what is this"},
@@ -109,7 +97,7 @@ async def test_responses_input_images_are_recorded_by_reference_and_located(
     assert vlm.requests[0]["messages"][0]["content"][1] == {
         "type": "image_url", "image_url": {"url": data_url(PNG_A), "detail": "auto"}
     }  # fmt: skip
-    [sample] = await proxy.finished_samples(database_url, session["session_id"])
+    [sample] = await vlm_proxy.finished_samples(database_url, session["session_id"])
     events = await events_of(session["session_id"])
     assert [e.payload["sha256"] for e in events if e.type == EventType.IMAGE_RECORDED] == [
         sha(PNG_A)
@@ -125,9 +113,9 @@ async def test_responses_input_images_are_recorded_by_reference_and_located(
 
 
 async def test_a_bad_image_is_a_4xx_naming_the_agents_part_and_nothing_is_recorded(
-    proxy: RunningProxy, vlm: FakeEngine, events_of: Callable[[str], Awaitable[list[Any]]]
+    vlm_proxy: RunningProxy, vlm: FakeEngine, events_of: Callable[[str], Awaitable[list[Any]]]
 ) -> None:
-    session = await proxy.new_session()
+    session = await vlm_proxy.new_session()
     client = claude(session)
     bad = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                        "data": "not base64!"}}  # fmt: skip
@@ -157,7 +145,7 @@ async def test_a_bad_image_is_a_4xx_naming_the_agents_part_and_nothing_is_record
     assert by_file.value.param == "input.0.content.0"  # type: ignore[attr-defined]
 
     assert vlm.requests == []
-    assert (await proxy.finish(session["session_id"])).status_code == 200  # all stored
+    assert (await vlm_proxy.finish(session["session_id"])).status_code == 200  # all stored
     assert [e.type for e in await events_of(session["session_id"])] == [
         EventType.SESSION_CREATED, EventType.SESSION_FINISHED
     ]  # fmt: skip

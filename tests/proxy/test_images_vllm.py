@@ -116,6 +116,23 @@ async def projected_run(database_url: str, proxy: RunningProxy, session_id: str)
         await Projector(store).run_once()
 
 
+async def located_image(
+    database_url: str, session_id: str, model: Path, picture: bytes
+) -> dict[str, Any]:
+    """The one image the session's one sample locates, checked: its span is the run of
+    placeholder ids the processor makes of `picture`."""
+    async with await EventStore.open(database_url) as store:
+        [row] = await store.pool.fetch(
+            "SELECT token_ids, images FROM samples WHERE session_id = $1", session_id
+        )
+    [located] = orjson.loads(row["images"])
+    tokens = np.frombuffer(row["token_ids"], "<i4")
+    vision = VisionProcessor.from_pretrained(model)
+    assert located["end"] - located["start"] == vision.count(Image.open(io.BytesIO(picture)))
+    assert set(tokens[located["start"] : located["end"]].tolist()) == {IMAGE_TOKEN_ID}
+    return located
+
+
 async def test_a_two_turn_openai_session_with_an_image_trains_on_the_processors_inputs(
     vlm_proxy: RunningProxy, vllm_vlm: tuple[str, Path], database_url: str
 ) -> None:
@@ -194,15 +211,7 @@ async def test_a_two_turn_anthropic_session_with_an_image_is_one_sample_over_the
             messages.append({"role": "user", "content": follow_up})
     await projected_run(database_url, vlm_proxy, session["session_id"])
 
-    async with await EventStore.open(database_url) as store:
-        [row] = await store.pool.fetch(
-            "SELECT token_ids, images FROM samples WHERE session_id = $1", session["session_id"]
-        )
-    [located] = orjson.loads(row["images"])
-    tokens = np.frombuffer(row["token_ids"], "<i4")
-    vision = VisionProcessor.from_pretrained(model)
-    assert located["end"] - located["start"] == vision.count(Image.open(io.BytesIO(picture)))
-    assert set(tokens[located["start"] : located["end"]].tolist()) == {IMAGE_TOKEN_ID}
+    located = await located_image(database_url, session["session_id"], model, picture)
     assert located["sha256"] == hashlib.sha256(picture).hexdigest()
     first = (await vlm_proxy.session_record(session["session_id"]))["turns"][0]
     assert counted.input_tokens == first["n_prompt_tokens"]
@@ -239,12 +248,4 @@ async def test_a_responses_image_in_a_tool_output_reaches_the_engine_and_is_loca
             items.append({"role": "user", "content": follow_up})
     await projected_run(database_url, vlm_proxy, session["session_id"])
 
-    async with await EventStore.open(database_url) as store:
-        [row] = await store.pool.fetch(
-            "SELECT token_ids, images FROM samples WHERE session_id = $1", session["session_id"]
-        )
-    [located] = orjson.loads(row["images"])
-    tokens = np.frombuffer(row["token_ids"], "<i4")
-    vision = VisionProcessor.from_pretrained(model)
-    assert located["end"] - located["start"] == vision.count(Image.open(io.BytesIO(picture)))
-    assert set(tokens[located["start"] : located["end"]].tolist()) == {IMAGE_TOKEN_ID}
+    await located_image(database_url, session["session_id"], model, picture)

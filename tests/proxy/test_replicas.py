@@ -50,6 +50,21 @@ def in_log_order(events: list[Any]) -> list[Any]:
     return sorted(events, key=lambda e: (e.tx_id, e.position))
 
 
+async def alternated(a: RunningProxy, b: RunningProxy, turns: int) -> str:
+    """A session created on `a` whose `turns` model calls alternate between a and b: its id."""
+    session = await a.new_session()
+    await converse([a.agent(session), agent_on(b, session, a)], turns)
+    return str(session["session_id"])
+
+
+async def finished(proxy: RunningProxy, events_of: EventsOf, session_id: str) -> list[Any]:
+    """Finish the session on `proxy`: its events in log order, session_finished the last."""
+    assert (await proxy.finish(session_id)).status_code == 200
+    events = in_log_order(await events_of(session_id))
+    assert events[-1].type == EventType.SESSION_FINISHED
+    return events
+
+
 @pytest.fixture
 async def lingering(
     start_proxy: ProxyFactory, engine: FakeEngine
@@ -102,14 +117,10 @@ async def test_finish_on_one_replica_waits_for_the_turns_another_replica_still_h
 ) -> None:
     # b lingers 5 s over a batch: its turns are not in the log when the agent finishes on a.
     a, b = lingering
-    session = await a.new_session()
-    sid = session["session_id"]
-    await converse([a.agent(session), agent_on(b, session, a)], 4)
-    assert (await a.finish(sid)).status_code == 200
+    sid = await alternated(a, b, 4)
 
     # finish answered: every turn, b's included, is in the log before session_finished.
-    events = in_log_order(await events_of(sid))
-    assert events[-1].type == EventType.SESSION_FINISHED
+    events = await finished(a, events_of, sid)
     assert sum(e.type == EventType.COMPLETION_FINISHED for e in events) == 4
     # So the projector, which builds a session when it finishes, sees all four turns.
     rows = await projected_samples(database_url, "n_turns, divergence")
@@ -143,9 +154,7 @@ async def test_a_replica_whose_listen_connection_dropped_is_still_waited_for(
     lingering: tuple[RunningProxy, RunningProxy], events_of: EventsOf, database_url: str
 ) -> None:
     a, b = lingering
-    session = await a.new_session()
-    sid = session["session_id"]
-    await converse([a.agent(session), agent_on(b, session, a)], 2)
+    sid = await alternated(a, b, 2)
     # b's LISTEN connection goes (an idle timeout somewhere, say); its writer, holding b's turn
     # for 5 s, stays connected, so b is still live, and answers once it listens again.
     conn = await connect(database_url)
@@ -158,9 +167,7 @@ async def test_a_replica_whose_listen_connection_dropped_is_still_waited_for(
     finally:
         await conn.close()
     assert dropped == 1
-    assert (await a.finish(sid)).status_code == 200
-    events = in_log_order(await events_of(sid))
-    assert events[-1].type == EventType.SESSION_FINISHED
+    events = await finished(a, events_of, sid)
     assert sum(e.type == EventType.COMPLETION_FINISHED for e in events) == 2
 
 

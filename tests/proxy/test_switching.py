@@ -18,7 +18,7 @@ from typing import Any
 import anthropic
 import pytest
 
-from tests.proxy.fake_engine import FakeEngine, _content, version_logprob
+from tests.proxy.fake_engine import FakeEngine, content_text, version_logprob
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
 from trajstore.publish import Publisher, PublishFailed
 from trajstore.store import EventStore
@@ -31,6 +31,25 @@ DELAY = 0.01  # seconds per token: a turn streams for about a second
 async def versioned() -> AsyncIterator[FakeEngine]:
     async with FakeEngine(versioned=True, token_delay=DELAY) as fake:
         yield fake
+
+
+@pytest.fixture
+async def two_versioned() -> AsyncIterator[tuple[FakeEngine, FakeEngine]]:
+    """Two versioned engines, for a proxy that spreads its sessions over both."""
+    async with (
+        FakeEngine(versioned=True, token_delay=DELAY) as first,
+        FakeEngine(versioned=True, token_delay=DELAY) as second,
+    ):
+        yield first, second
+
+
+async def switch_events(database_url: str) -> list[Any]:
+    """The switches' events in log order: each one's type and its reason (a failure's)."""
+    async with await EventStore.open(database_url) as store:
+        return await store.fetch(
+            "SELECT event_type, payload ->> 'reason' AS reason FROM events "
+            "WHERE stream_id LIKE 'switch-%' ORDER BY position"
+        )
 
 
 async def begin(proxy: RunningProxy, version: str, engines: list[str] | None = None) -> str:
@@ -70,7 +89,7 @@ def exact(choice: dict[str, Any], n: int = N) -> list[str]:
 
 
 def text_of(ids: list[int]) -> str:
-    return "".join(_content(t) for t in ids)
+    return "".join(content_text(t) for t in ids)
 
 
 async def streamed_chat(
@@ -220,34 +239,27 @@ async def test_a_switch_nobody_ends_is_given_up_and_its_engine_serves_again(
     assert answer.choices[0].message.content  # served, on the version it had
     [turn] = (await proxy.session_record(session["session_id"]))["turns"]
     assert exact(turn["choices"][0], 8) == ["0"]
-    async with await EventStore.open(database_url) as store:
-        kinds = await store.fetch(
-            "SELECT event_type, payload ->> 'reason' AS reason FROM events "
-            "WHERE stream_id LIKE 'switch-%' ORDER BY position"
-        )
+    kinds = await switch_events(database_url)
     assert [k["event_type"] for k in kinds] == ["policy_switch_began", "policy_switch_failed"]
     assert "no word within" in kinds[1]["reason"]
 
 
 async def test_an_engine_that_dies_mid_switch_hands_its_turn_to_another(
-    start_proxy: ProxyFactory,
+    start_proxy: ProxyFactory, two_versioned: tuple[FakeEngine, FakeEngine]
 ) -> None:
-    async with (
-        FakeEngine(versioned=True, token_delay=DELAY) as first,
-        FakeEngine(versioned=True, token_delay=DELAY) as second,
-    ):
-        proxy = await start_proxy([first.url, second.url])
-        session = await proxy.new_session()
-        served = proxy.app.state.proxy.engines.preferred(session["session_id"]).url
-        dying, other = (first, second) if served == first.url else (second, first)
+    first, second = two_versioned
+    proxy = await start_proxy([first.url, second.url])
+    session = await proxy.new_session()
+    served = proxy.app.state.proxy.engines.preferred(session["session_id"]).url
+    dying, other = (first, second) if served == first.url else (second, first)
 
-        async def dies_mid_switch() -> None:
-            switch_id = await begin(proxy, "1")  # both engines
-            other.version = "1"
-            await dying.stop()  # its weights never loaded: it is gone
-            await live(proxy, switch_id)
+    async def dies_mid_switch() -> None:
+        switch_id = await begin(proxy, "1")  # both engines
+        other.version = "1"
+        await dying.stop()  # its weights never loaded: it is gone
+        await live(proxy, switch_id)
 
-        text, _ = await streamed_chat(proxy, session, 30, dies_mid_switch)
+    text, _ = await streamed_chat(proxy, session, 30, dies_mid_switch)
     [turn] = (await proxy.session_record(session["session_id"]))["turns"]
     assert turn["status"] == "completed"
     assert exact(turn["choices"][0]) == ["0", "1"]
@@ -275,11 +287,7 @@ async def test_a_publish_that_fails_to_load_goes_on_with_the_old_version(
     [turn] = (await proxy.session_record(session["session_id"]))["turns"]
     assert exact(turn["choices"][0]) == ["0"]  # cut, and continued on the same weights
     assert text == text_of(turn["choices"][0]["token_ids"])
-    async with await EventStore.open(database_url) as store:
-        kinds = await store.pool.fetch(
-            "SELECT event_type, payload ->> 'reason' AS reason FROM events "
-            "WHERE stream_id LIKE 'switch-%' ORDER BY position"
-        )
+    kinds = await switch_events(database_url)
     assert [k["event_type"] for k in kinds] == ["policy_switch_began", "policy_switch_failed"]
     assert "cannot load" in kinds[1]["reason"]
     assert proxy.app.state.proxy.engines.engines[0].policy_version == "0"
@@ -307,39 +315,36 @@ async def test_two_switches_in_a_row_the_second_while_the_turn_is_being_continue
 
 
 async def test_engines_switching_one_after_the_other_keep_their_sessions(
-    start_proxy: ProxyFactory,
+    start_proxy: ProxyFactory, two_versioned: tuple[FakeEngine, FakeEngine]
 ) -> None:
-    async with (
-        FakeEngine(versioned=True, token_delay=DELAY) as first,
-        FakeEngine(versioned=True, token_delay=DELAY) as second,
-    ):
-        proxy = await start_proxy([first.url, second.url])
-        pool = proxy.app.state.proxy.engines
-        sessions: dict[str, dict[str, Any]] = {}
-        for k in range(40):  # one session that prefers each engine
-            session = await proxy.new_session(session_id=f"sticky-{k}")
-            sessions.setdefault(pool.preferred(session["session_id"]).url, session)
-            if len(sessions) == 2:
-                break
-        engines = {first.url: first, second.url: second}
+    first, second = two_versioned
+    proxy = await start_proxy([first.url, second.url])
+    pool = proxy.app.state.proxy.engines
+    sessions: dict[str, dict[str, Any]] = {}
+    for k in range(40):  # one session that prefers each engine
+        session = await proxy.new_session(session_id=f"sticky-{k}")
+        sessions.setdefault(pool.preferred(session["session_id"]).url, session)
+        if len(sessions) == 2:
+            break
+    engines = {first.url: first, second.url: second}
 
-        async def one_after_the_other() -> None:
-            await switch(proxy, first, "1")
-            await asyncio.sleep(10 * DELAY)
-            await switch(proxy, second, "1")
+    async def one_after_the_other() -> None:
+        await switch(proxy, first, "1")
+        await asyncio.sleep(10 * DELAY)
+        await switch(proxy, second, "1")
 
-        async def turn(session: dict[str, Any]) -> str:
-            agent = proxy.agent(session)
-            stream = await agent.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "go"}], max_tokens=N,
-                stream=True,
-            )  # fmt: skip
-            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    async def turn(session: dict[str, Any]) -> str:
+        agent = proxy.agent(session)
+        stream = await agent.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "go"}], max_tokens=N,
+            stream=True,
+        )  # fmt: skip
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
-        reading = [asyncio.create_task(turn(s)) for s in sessions.values()]
-        await asyncio.sleep(30 * DELAY)
-        await one_after_the_other()
-        texts = await asyncio.gather(*reading)
+    reading = [asyncio.create_task(turn(s)) for s in sessions.values()]
+    await asyncio.sleep(30 * DELAY)
+    await one_after_the_other()
+    texts = await asyncio.gather(*reading)
     for (url, session), text in zip(sessions.items(), texts, strict=True):
         [recorded] = (await proxy.session_record(session["session_id"]))["turns"]
         assert recorded["engine"] == url  # sticky: the session stayed on its engine

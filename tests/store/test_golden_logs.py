@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import numpy as np
 import orjson
 import pytest
 
+from tests.fixtures.golden.record import session_as_read
 from trajstore.store import EventStore, migrations
 from trajstore.store.projection import Projector
-from trajstore.store.sessions import SessionRecord, rebuild_session
+from trajstore.store.sessions import rebuild_session
 
 GOLDEN = Path(__file__).parents[1] / "fixtures" / "golden"
 FIXTURES = sorted(p.name for p in GOLDEN.glob("*.json.gz"))
@@ -121,36 +121,6 @@ def _trained(samples: list[dict[str, Any]]) -> list[tuple[int, bytes]]:
     return sorted(tokens)
 
 
-def _packed(values: Any, dtype: str) -> dict[str, str]:
-    return {"b64": base64.b64encode(np.asarray(list(values), dtype=dtype).tobytes()).decode()}
-
-
-def _as_read(record: SessionRecord) -> dict[str, Any]:
-    """A rebuilt session in the fixture's terms (`record.py`'s `_sessions_as_read`)."""
-    return {
-        "status": record.status,
-        "reward": record.reward,
-        "discarded": record.discarded,
-        "turns": [
-            {
-                "request_id": turn.request_id,
-                "status": turn.status,
-                "prompt": _packed(turn.prompt_token_ids, "<i4"),
-                "choices": [
-                    {
-                        "index": index,
-                        "token_ids": _packed(choice.token_ids, "<i4"),
-                        "logprobs": _packed(choice.logprobs, "<f4"),
-                        "finish_reason": choice.finish_reason,
-                    }
-                    for index, choice in sorted(turn.choices.items())
-                ],
-            }
-            for turn in record.turns
-        ],
-    }
-
-
 def _by_session(samples: Any) -> dict[str, list[dict[str, Any]]]:
     sessions: dict[str, list[dict[str, Any]]] = {}
     for sample in samples:
@@ -173,7 +143,7 @@ async def test_an_old_log_rebuilds_into_the_samples_its_release_built(
     async with await EventStore.open(empty_database_url) as store:
         for session_id, then in fixture["sessions"].items():
             now = rebuild_session(session_id, await store.read_session(session_id))
-            assert _as_read(now) == then, f"{release}: session {session_id} reads otherwise"
+            assert session_as_read(now) == then, f"{release}: session {session_id} reads otherwise"
 
     rebuilt = await rebuilt_samples(empty_database_url)
 

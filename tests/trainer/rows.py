@@ -14,6 +14,7 @@ from typing import Any
 import asyncpg
 import numpy as np
 
+from trajstore.store import EventStore
 from trajstore.store.sessions import ChoiceRecord, SessionRecord, TurnRecord
 from trajstore.store.tokens import encode_logprobs, encode_token_ids
 
@@ -82,6 +83,12 @@ async def insert_samples(conn: asyncpg.Connection, rows: Sequence[dict[str, Any]
         f"INSERT INTO samples ({', '.join(columns)}) VALUES ({placeholders})",
         [[row[c] for c in columns] for row in rows],
     )
+
+
+async def store_samples(store: EventStore, rows: Sequence[dict[str, Any]]) -> None:
+    """Insert rows into the store's `samples` (`insert_samples` on one of its connections)."""
+    async with store.pool.acquire() as conn:
+        await insert_samples(conn, rows)
 
 
 def completed_turn(prompt: list[int], completion: list[int], index: int) -> TurnRecord:

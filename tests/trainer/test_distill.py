@@ -13,7 +13,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tests.trainer.rows import insert_samples, sample_row
+from tests.trainer.rows import sample_row, store_samples
 from trajstore.store import EventStore
 from trajstore.store.side_data import LOGPROBS, sample_stream, scored_event
 from trajstore.trainer.distill import DistillConfig, with_distillation
@@ -58,8 +58,7 @@ async def _scored_rows(store: EventStore, n: int, *, score: bool = True) -> list
         )
         for k in range(n)
     ]
-    async with store.pool.acquire() as conn:
-        await insert_samples(conn, rows)
+    await store_samples(store, rows)
     if score:
         for k, row in enumerate(rows):
             await score_row(store, row, -float(k + 1))
@@ -137,8 +136,7 @@ async def test_the_live_replay_waits_for_a_samples_score(store: EventStore) -> N
         sample_row(session_id=f"late{k}", run_id="late", group_id="h", reward=float(k))
         for k in range(2)
     ]
-    async with store.pool.acquire() as conn:
-        await insert_samples(conn, more)
+    await store_samples(store, more)
     stream = replay_live(store, Selection(runs=("late",)), batch_size=2,
                          teacher="t", teacher_wait=0.3, poll_interval=0.05)  # fmt: skip
     batch, _ = await asyncio.wait_for(anext(stream), 10)

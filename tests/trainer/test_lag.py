@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.trainer.rows import insert_samples, sample_row
+from tests.trainer.rows import sample_row, store_samples
 from trajstore.store import EventStore
 from trajstore.trainer.replay_live import replay_live
 
@@ -13,8 +13,7 @@ async def test_samples_beyond_the_max_lag_are_dropped_and_never_come_back(
     rows = [
         sample_row(session_id=f"v{v}", group_id=None, policy_versions=(v, v + 1)) for v in range(5)
     ] + [sample_row(session_id="unknown", group_id=None, policy_versions=())]
-    async with store.pool.acquire() as conn:
-        await insert_samples(conn, rows)
+    await store_samples(store, rows)
 
     version = 4
     got = [
@@ -49,8 +48,7 @@ async def test_samples_beyond_the_max_lag_are_dropped_and_never_come_back(
 async def test_without_a_max_lag_batches_still_carry_the_lag_at_the_current_version(
     store: EventStore,
 ) -> None:
-    async with store.pool.acquire() as conn:
-        await insert_samples(conn, [sample_row(session_id="old", group_id=None)])
+    await store_samples(store, [sample_row(session_id="old", group_id=None)])
     ((batch, _),) = [
         item
         async for item in replay_live(

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 from tensordict import TensorDict
 
-from tests.trainer.rows import insert_samples, sample_row
+from tests.trainer.rows import sample_row, store_samples
 from trajstore.cli import main
 from trajstore.store import EventStore
 from trajstore.trainer.collate import Layout
@@ -28,8 +28,7 @@ async def recorded_batches(store: EventStore, layout: Layout) -> list[TensorDict
                    completion=list(range(20, 21 + i % 5)))
         for i in range(8)
     ]  # fmt: skip
-    async with store.pool.acquire() as conn:
-        await insert_samples(conn, rows)
+    await store_samples(store, rows)
     batches = []
     step = 0
     sizes = {"batch_size": layout.batch_size, "token_budget": layout.token_budget}

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.trainer.rows import insert_samples, sample_row
+from tests.trainer.rows import sample_row, store_samples
 from trajstore.store import EventStore
 from trajstore.tiny_model import build_tiny_model
 from trajstore.trainer.errors import BadSelection
@@ -31,15 +31,10 @@ def row(session: str, completion: int, prompt: int = 8, reward: float = 1.0) -> 
     )  # fmt: skip
 
 
-async def insert(store: EventStore, rows: list[dict[str, Any]]) -> None:
-    async with store.pool.acquire() as conn:
-        await insert_samples(conn, rows)
-
-
 async def test_a_64k_token_sample_replays_whole_in_a_packed_row_of_its_own(
     store: EventStore,
 ) -> None:
-    await insert(store, [row("long", LONG - 8), row("short-1", 40), row("short-2", 52),
+    await store_samples(store, [row("long", LONG - 8), row("short-1", 40), row("short-2", 52),
                          row("too-long", LONG + 4096)])  # fmt: skip
     batches = [
         b async for b in replay(store, token_budget=4096, pack=True, batch_size=1,
@@ -64,13 +59,13 @@ async def test_a_64k_token_sample_replays_whole_in_a_packed_row_of_its_own(
 
 
 async def test_without_a_limit_a_sample_over_the_budget_is_refused(store: EventStore) -> None:
-    await insert(store, [row("long", 200)])
+    await store_samples(store, [row("long", 200)])
     with pytest.raises(BadSelection, match="more than token_budget=64"):
         [b async for b in replay(store, token_budget=64, pack=True)]
 
 
 async def test_a_selection_of_only_over_long_samples_says_so(store: EventStore) -> None:
-    await insert(store, [row("a", 300), row("b", 400)])
+    await store_samples(store, [row("a", 300), row("b", 400)])
     with pytest.raises(BadSelection, match=r"all 2 selected samples are longer than "
                        r"max_sample_tokens=100 \(the longest has 408 tokens\)"):  # fmt: skip
         [b async for b in replay(store, batch_size=2, max_sample_tokens=100)]
@@ -86,7 +81,7 @@ async def test_the_recipe_skips_an_over_long_sample_and_records_why(
     rows.append(row("huge", 500))
     # Over the row budget, within the limit: a row of its own (in group g-0: an advantage).
     rows.append({**row("long", 150), "group_id": "g-0"})
-    await insert(store, [{**r, "run_id": "long-run"} for r in rows])
+    await store_samples(store, [{**r, "run_id": "long-run"} for r in rows])
     config = RecipeConfig(
         batch_size=2, token_budget=128, pack=True, max_sample_tokens=200,
         learner=LearnerConfig(device="cpu", gradient_checkpointing=True),

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tests.trainer.rows import insert_samples, rollout_rows, sample_row
+from tests.trainer.rows import insert_samples, rollout_rows, sample_row, store_samples
 from trajstore.store import EventStore
 from trajstore.trainer.collate import sample_ids
 from trajstore.trainer.errors import BadSelection
@@ -31,15 +31,10 @@ async def collect(store: EventStore, **kwargs: Any) -> list[TensorDict]:
     return [batch async for batch in replay(store, **kwargs)]
 
 
-async def insert(store: EventStore, rows: list[dict[str, Any]]) -> None:
-    async with store.pool.acquire() as conn:
-        await insert_samples(conn, rows)
-
-
 async def test_the_same_seed_gives_the_same_batches_and_another_seed_another_order(
     store: EventStore,
 ) -> None:
-    await insert(store, group_rows(8))
+    await store_samples(store, group_rows(8))
     first = await collect(store, batch_size=4, seed=1)
     again = await collect(store, batch_size=4, seed=1)
     other = await collect(store, batch_size=4, seed=2)
@@ -52,7 +47,7 @@ async def test_the_same_seed_gives_the_same_batches_and_another_seed_another_ord
 
 
 async def test_batches_carry_the_stored_tokens_and_group_advantages(store: EventStore) -> None:
-    await insert(store, group_rows(1, prompt=(1, 2, 3)))
+    await store_samples(store, group_rows(1, prompt=(1, 2, 3)))
     (batch,) = await collect(store, batch_size=2, shuffle=False)
     by_session = {s["session_id"]: r for r, s in enumerate(batch.get_non_tensor("samples"))}
     low, high = by_session["s-0-0"], by_session["s-0-1"]
@@ -68,7 +63,7 @@ async def test_batches_carry_the_stored_tokens_and_group_advantages(store: Event
 async def test_a_session_s_lineages_are_one_group_member_with_one_advantage(
     store: EventStore,
 ) -> None:
-    await insert(store, rollout_rows())
+    await store_samples(store, rollout_rows())
     (batch,) = await collect(store, selection=Selection(rollouts=True), batch_size=8)
     rows = [(s["session_id"], s["advantage"]) for s in batch.get_non_tensor("samples")]
     # Every lineage's last branch of `rich` (3 rows, not its main loop's first branch) and
@@ -87,11 +82,11 @@ async def test_a_session_s_lineages_are_one_group_member_with_one_advantage(
 
 async def test_live_groups_count_sessions_not_rows(store: EventStore) -> None:
     rows = rollout_rows()
-    await insert(store, rows[:4])  # rich's rows: three to deliver, one session of two
+    await store_samples(store, rows[:4])  # rich's rows: three to deliver, one session of two
     live = replay_live(store, Selection(rollouts=True), batch_size=3, group_size=2,
                        poll_interval=0.05, idle_timeout=0.3)  # fmt: skip
     assert [b async for b in live] == []
-    await insert(store, rows[4:])
+    await store_samples(store, rows[4:])
     batches = [b async for b, _ in replay_live(store, Selection(rollouts=True), batch_size=4,
                                                group_size=2, poll_interval=0.05,
                                                idle_timeout=0.3)]  # fmt: skip
@@ -100,7 +95,7 @@ async def test_live_groups_count_sessions_not_rows(store: EventStore) -> None:
 
 
 async def test_packing_fills_rows_up_to_the_budget(store: EventStore) -> None:
-    await insert(store, group_rows(6))
+    await store_samples(store, group_rows(6))
     batches = await collect(store, token_budget=16, pack=True, batch_size=2)
     for batch in batches:
         assert batch["input_ids"].shape[1] <= 16
@@ -110,7 +105,9 @@ async def test_packing_fills_rows_up_to_the_budget(store: EventStore) -> None:
 
 async def test_staleness_is_counted_from_the_current_policy_version(store: EventStore) -> None:
     old = sample_row(session_id="old", group_id=None, policy_versions=[2, 4])
-    await insert(store, [old, sample_row(session_id="new", group_id=None, policy_versions=[5])])
+    await store_samples(
+        store, [old, sample_row(session_id="new", group_id=None, policy_versions=[5])]
+    )
     selection = Selection(current_policy_version=5, max_staleness=2)
     (batch,) = await collect(store, selection=selection, batch_size=8)
     assert [s["session_id"] for s in batch.get_non_tensor("samples")] == ["new"]
@@ -119,7 +116,7 @@ async def test_staleness_is_counted_from_the_current_policy_version(store: Event
 
 
 async def test_samples_without_a_reward_are_refused_with_the_fix(store: EventStore) -> None:
-    await insert(store, [sample_row(session_id="pending", reward=None)])
+    await store_samples(store, [sample_row(session_id="pending", reward=None)])
     with pytest.raises(BadSelection, match=r"no reward yet.*'pending'.*min_reward"):
         await collect(store, batch_size=2)
     assert await collect(store, selection=Selection(min_reward=0.0), batch_size=2) == []
@@ -128,7 +125,7 @@ async def test_samples_without_a_reward_are_refused_with_the_fix(store: EventSto
 async def test_replay_opens_its_own_connection_from_a_url(
     store: EventStore, database_url: str
 ) -> None:
-    await insert(store, group_rows(1))
+    await store_samples(store, group_rows(1))
     batches = [b async for b in replay(database_url, batch_size=2)]
     assert torch.equal(
         batches[0]["input_ids"], (await collect(store, batch_size=2))[0]["input_ids"]
@@ -148,14 +145,14 @@ async def test_live_replay_waits_for_complete_groups_and_resumes_without_repeats
     store: EventStore,
 ) -> None:
     rows = group_rows(3, per_group=2)
-    await insert(store, rows[:3])  # group 0 complete, group 1 half there
+    await store_samples(store, rows[:3])  # group 0 complete, group 1 half there
     first = await live(store, batch_size=2, group_size=2)
     assert len(first) == 1
     batch, checkpoint = first[0]
     assert sorted(s["session_id"] for s in batch.get_non_tensor("samples")) == ["s-0-0", "s-0-1"]
     assert checkpoint.pending == (str(rows[2]["sample_id"]),)
 
-    await insert(store, rows[3:])
+    await store_samples(store, rows[3:])
     resumed = await live(store, batch_size=2, group_size=2, checkpoint=checkpoint)
     delivered = [s["session_id"] for b, _ in resumed for s in b.get_non_tensor("samples")]
     assert sorted(delivered) == ["s-1-0", "s-1-1", "s-2-0", "s-2-1"]
@@ -167,7 +164,7 @@ async def test_a_re_projected_sample_is_not_delivered_twice_unless_asked(
     store: EventStore,
 ) -> None:
     row = sample_row(session_id="s", group_id=None, reward=None)
-    await insert(store, [row])
+    await store_samples(store, [row])
     assert await live(store, batch_size=1) == []  # no reward yet: it waits
     async with store.pool.acquire() as conn:  # the reward arrives: the session is re-projected
         await conn.execute("DELETE FROM samples WHERE session_id = 's'")
@@ -195,8 +192,7 @@ async def test_batches_say_which_version_generated_each_token(store: EventStore)
         {"version": "3", "start": 3, "end": 4},
         {"version": "4", "start": 4, "end": 5},
     ]
-    async with store.pool.acquire() as conn:
-        await insert_samples(conn, [row])
+    await store_samples(store, [row])
     selection = Selection(current_policy_version=5)
     [batch] = [b async for b in replay(store, selection, batch_size=1)]
     assert batch["token_version"][0].tolist() == [-1, -1, -1, 3, 4]

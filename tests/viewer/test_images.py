@@ -5,36 +5,23 @@ image's bytes served from the log."""
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
 
 import httpx
-import pytest
 
-from tests.proxy.fake_engine import IMAGE_PAD, FakeEngine, image_token_count
-from tests.proxy.fixtures import ProxyFactory, RunningProxy
+from tests.proxy.fake_engine import IMAGE_PAD, image_token_count
+from tests.proxy.fixtures import RunningProxy
 from tests.proxy.test_images import PNG_A, URL, chat, data_url, reply_of, sha, user
 
 
-@pytest.fixture
-async def vlm() -> AsyncIterator[FakeEngine]:
-    async with FakeEngine(vision=True, completion_tokens=6) as fake:
-        yield fake
-
-
-@pytest.fixture
-async def proxy(start_proxy: ProxyFactory, vlm: FakeEngine) -> RunningProxy:
-    return await start_proxy([vlm.url], image_token_id=IMAGE_PAD, max_image_bytes=64 * 1024)
-
-
 async def test_a_turns_images_are_thumbnails_beside_its_strip_with_their_placeholders_marked(
-    proxy: RunningProxy, client: httpx.AsyncClient
+    vlm_proxy: RunningProxy, client: httpx.AsyncClient
 ) -> None:
-    session = await proxy.new_session()
+    session = await vlm_proxy.new_session()
     messages = [user("what is in these", data_url(PNG_A), URL)]
-    first = await chat(proxy, session, messages)
+    first = await chat(vlm_proxy, session, messages)
     messages += [reply_of(first), user("and now")]
-    assert (await chat(proxy, session, messages)).status_code == 200
-    assert (await proxy.finish(session["session_id"])).status_code == 200
+    assert (await chat(vlm_proxy, session, messages)).status_code == 200
+    assert (await vlm_proxy.finish(session["session_id"])).status_code == 200
     sid = session["session_id"]
 
     body = (await client.get(f"/sessions/{sid}/turns/0")).text
