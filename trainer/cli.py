@@ -83,9 +83,9 @@ def _export_metrics(
 
     from trajstore.store.embedded import database_url
     from trajstore.trainer.errors import TrainerError
+    from trajstore.trainer.index import open_store
     from trajstore.trainer.ledger import read_step
     from trajstore.trainer.metrics_log import export_ledger, ledger_run_ids, open_metrics_log
-    from trajstore.trainer.index import open_store
 
     settings = ctx.find_root().ensure_object(dict)["settings"]
 

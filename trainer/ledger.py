@@ -43,8 +43,8 @@ from trajstore.trainer.errors import (
     StepNotFound,
     TrainerError,
 )
-from trajstore.trainer.lag import token_staleness
 from trajstore.trainer.index import open_store
+from trajstore.trainer.lag import token_staleness
 
 
 def training_stream(training_run: str) -> str:

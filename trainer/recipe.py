@@ -38,6 +38,7 @@ from trajstore.trainer.checkpoint import (
 )
 from trajstore.trainer.collate import Layout, sample_ids
 from trajstore.trainer.errors import BadSelection, TrainerError
+from trajstore.trainer.index import open_store
 from trajstore.trainer.learner import Learner, LearnerConfig
 from trajstore.trainer.ledger import read_step, record_step, training_stream
 from trajstore.trainer.loss import LossConfig
@@ -48,7 +49,6 @@ from trajstore.trainer.metrics_log import (
     open_metrics_log,
 )
 from trajstore.trainer.prefetch import Waits, prefetched
-from trajstore.trainer.index import open_store
 from trajstore.trainer.replay import replay
 from trajstore.trainer.selection import Selection
 from trajstore.trainer.vision import VisionProcessor, with_vision
