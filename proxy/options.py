@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from trajstore.store.embedded import port_in_use
+from trajstore.store.postgres_host import port_in_use
 
 if TYPE_CHECKING:
     from trajstore.proxy.settings import ProxySettings

@@ -364,7 +364,7 @@ def _exec_psql(url: str) -> NoReturn:
     import os
     import shutil
 
-    from trajstore.store.embedded import find_binaries
+    from trajstore.store.postgres_host import find_binaries
 
     psql = shutil.which("psql")
     if psql is None:

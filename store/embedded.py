@@ -22,15 +22,11 @@ Layout of the data directory:
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 import os
-import pwd
 import secrets
 import shutil
-import socket
-import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +34,15 @@ from typing import Any
 
 from trajstore.store import roles
 from trajstore.store.errors import EmbeddedServerError
+from trajstore.store.postgres_host import (
+    ServerUser,
+    blocking_parent,
+    find_binaries,
+    has_binaries,
+    port_in_use,
+    process_is_postgres,
+    server_user,
+)
 from trajstore.store.roles import Role
 from trajstore.store.settings import StoreSettings
 
@@ -46,22 +51,6 @@ log = logging.getLogger(__name__)
 DATABASE = "trajstore"
 DEFAULT_PORT = 54329
 SUPERUSER = "trajstore"
-_REQUIRED_BINARIES = ("initdb", "pg_ctl", "postgres", "psql")
-
-
-@dataclass(frozen=True)
-class ServerUser:
-    """The OS account the server runs as."""
-
-    name: str
-    uid: int
-    gid: int
-
-    def run_kwargs(self) -> dict[str, Any]:
-        """`subprocess` arguments that drop root privileges to this user (none if already it)."""
-        if os.geteuid() != 0:
-            return {}
-        return {"user": self.uid, "group": self.gid, "extra_groups": []}
 
 
 @dataclass(frozen=True)
@@ -77,131 +66,6 @@ class Status:
     def running(self) -> bool:
         """True while a server process serves the data directory."""
         return self.pid is not None
-
-
-def _has_binaries(directory: Path) -> bool:
-    return all((directory / name).is_file() for name in _REQUIRED_BINARIES)
-
-
-def pgserver_binaries() -> Path | None:
-    """The server binaries shipped in the `pgserver` wheel, when it is installed."""
-    spec = importlib.util.find_spec("pgserver")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    directory = Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
-    return directory if _has_binaries(directory) else None
-
-
-def find_binaries(preferred: Path | None = None) -> Path:
-    """The directory holding initdb, pg_ctl, postgres and psql: the machine's, else pgserver's.
-
-    `preferred` (TRAJSTORE_PG_BIN_DIR) must hold them when given.
-    """
-    if preferred is not None:
-        if not _has_binaries(preferred):
-            raise EmbeddedServerError(
-                f"{preferred} does not hold the PostgreSQL binaries {', '.join(_REQUIRED_BINARIES)}"
-            )
-        return preferred
-    candidates: list[Path] = []
-    pg_config = shutil.which("pg_config")
-    if pg_config:
-        with contextlib.suppress(OSError, subprocess.CalledProcessError):
-            out = subprocess.run(
-                [pg_config, "--bindir"], capture_output=True, text=True, check=True
-            )
-            candidates.append(Path(out.stdout.strip()))
-    candidates.extend(
-        sorted(
-            Path("/usr/lib/postgresql").glob("*/bin"),
-            key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
-            reverse=True,
-        )
-    )
-    initdb = shutil.which("initdb")
-    if initdb:
-        candidates.append(Path(initdb).parent)
-    wheel = pgserver_binaries()
-    if wheel is not None:
-        candidates.append(wheel)
-    for directory in candidates:
-        if _has_binaries(directory):
-            return directory
-    raise EmbeddedServerError(
-        "no PostgreSQL server binaries found (looked for pg_config, /usr/lib/postgresql, PATH "
-        "and the pgserver package); install PostgreSQL or `pip install pgserver`, or set "
-        "TRAJSTORE_DATABASE_URL to an existing server"
-    )
-
-
-def server_user() -> ServerUser:
-    """The account to run the server as: ourselves, or an unprivileged one when we are root."""
-    if os.geteuid() != 0:
-        entry = pwd.getpwuid(os.geteuid())
-        return ServerUser(entry.pw_name, entry.pw_uid, entry.pw_gid)
-    for name in ("postgres", "trajstore"):
-        with contextlib.suppress(KeyError):
-            entry = pwd.getpwnam(name)
-            return ServerUser(entry.pw_name, entry.pw_uid, entry.pw_gid)
-    useradd = shutil.which("useradd")
-    if useradd is None:
-        raise EmbeddedServerError(
-            "running as root, PostgreSQL needs an unprivileged user: create one named "
-            "'trajstore' (useradd is not available here)"
-        )
-    subprocess.run(
-        [useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "trajstore"],
-        check=True,
-        capture_output=True,
-    )
-    entry = pwd.getpwnam("trajstore")
-    return ServerUser(entry.pw_name, entry.pw_uid, entry.pw_gid)
-
-
-def _can_enter(path: Path, user: ServerUser) -> bool:
-    st = path.stat()
-    if user.uid == 0:
-        return True
-    if st.st_uid == user.uid:
-        return bool(st.st_mode & stat.S_IXUSR)
-    if st.st_gid == user.gid:
-        return bool(st.st_mode & stat.S_IXGRP)
-    return bool(st.st_mode & stat.S_IXOTH)
-
-
-def _blocking_parent(path: Path, user: ServerUser) -> Path | None:
-    """The first directory on the way to `path` that `user` cannot enter, if any."""
-    resolved = path.resolve()
-    for parent in [*reversed(resolved.parents), resolved]:
-        if not _can_enter(parent, user):
-            return parent
-    return None
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """Whether some program already holds `port` on `host` (we cannot bind it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # A port whose last connections linger in TIME_WAIT is free: only a listener counts.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
-def _process_is_postgres(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, someone else's: look closer
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return True  # no /proc to look at: assume the pid file is right
-    return b"postgres" in cmdline
 
 
 class EmbeddedPostgres:
@@ -249,7 +113,7 @@ class EmbeddedPostgres:
         recorded = self._config().get("bin_dir")
         if recorded and self.initialised:
             path = Path(recorded)
-            if not _has_binaries(path):
+            if not has_binaries(path):
                 raise EmbeddedServerError(
                     f"the cluster in {self.pgdata} was made with the PostgreSQL binaries in "
                     f"{path}, which are gone; reinstall them or move the data directory away"
@@ -267,7 +131,7 @@ class EmbeddedPostgres:
         except PermissionError:  # not root and not the server user
             raise EmbeddedServerError(f"cannot read {pid_file}: permission denied") from None
         pid = int(first_line.strip())
-        return pid if _process_is_postgres(pid) else None
+        return pid if process_is_postgres(pid) else None
 
     def url(self) -> str:
         """The URL clients use: the Unix socket, as the server's superuser."""
@@ -337,14 +201,14 @@ class EmbeddedPostgres:
     def _initialise(self, user: ServerUser) -> None:
         bin_dir = self.bin_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        blocked = _blocking_parent(self.data_dir, user)
+        blocked = blocking_parent(self.data_dir, user)
         if blocked is not None:
             raise EmbeddedServerError(
                 f"the PostgreSQL server runs as user {user.name!r}, which cannot enter "
                 f"{blocked} to reach the data directory {self.data_dir}; choose a "
                 "TRAJSTORE_DATA_DIR it can reach (for example under /var/lib or /tmp)"
             )
-        if _blocking_parent(bin_dir / "postgres", user) is not None:
+        if blocking_parent(bin_dir / "postgres", user) is not None:
             bin_dir = self._private_binaries(bin_dir)
         for directory in (self.pgdata, self.socket_dir):
             directory.mkdir(mode=0o700, exist_ok=True)

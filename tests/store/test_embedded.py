@@ -19,7 +19,8 @@ import pytest
 from tests.conftest import free_port, world_readable_tempdir
 from tests.support import chunk_event
 from trajstore.store import EventStore, EventType, NewEvent, migrations
-from trajstore.store.embedded import EmbeddedPostgres, pgserver_binaries
+from trajstore.store.embedded import EmbeddedPostgres
+from trajstore.store.postgres_host import pgserver_binaries
 
 pytestmark = [pytest.mark.embedded, pytest.mark.slow]
 

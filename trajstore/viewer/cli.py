@@ -7,7 +7,8 @@ from typing import Any
 
 import click
 
-from trajstore.store.embedded import database_url, port_in_use
+from trajstore.store.embedded import database_url
+from trajstore.store.postgres_host import port_in_use
 from trajstore.store.settings import StoreSettings
 from trajstore.viewer.settings import ViewerSettings
 
