@@ -199,14 +199,17 @@ class RequestRecorder:
         return None if prompt is None else prompt.tolist()
 
     def version_spans(self, index: int) -> list[VersionSpan]:
-        """Which version generated which of choice `index`'s tokens, as stored."""
+        """Which version generated which of choice `index`'s tokens."""
+        return [VersionSpan(version=v, start=s, end=e) for v, s, e in self._spans(index)]
+
+    def _spans(self, index: int) -> list[tuple[str, int, int]]:
+        """(version, start, end) of each span of choice `index`'s tokens."""
         n = self.tokens_of(index)
         versions = self._versions if index == 0 else self._versions[:1]  # n > 1 is never cut
-        spans = []
-        for i, (version, start) in enumerate(versions):
-            end = versions[i + 1][1] if i + 1 < len(versions) else n
-            spans.append(VersionSpan(version=version, start=start, end=end))
-        return spans
+        return [
+            (version, start, versions[i + 1][1] if i + 1 < len(versions) else n)
+            for i, (version, start) in enumerate(versions)
+        ]
 
     async def emit(self, event: NewEvent) -> None:
         """Queue one event of this request's stream."""
@@ -261,7 +264,10 @@ class RequestRecorder:
                 "stop_reason": buffer.stop_reason,
                 "message": buffer.final_message(),
                 "n_tokens": buffer.n_tokens,
-                "version_spans": self.version_spans(index),
+                # Stored forms, not models: every completion_finished carries them.
+                "version_spans": [
+                    stored(VersionSpan, version=v, start=s, end=e) for v, s, e in self._spans(index)
+                ],
             }
             if self.finish_reason_in_api is not None:
                 ending = self.finish_reason_in_api(buffer.finish_reason, buffer.stop_reason)

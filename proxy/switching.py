@@ -301,15 +301,17 @@ class VersionSwitches:
 def clean_point(api: str, chunks: list[dict[str, Any]], clean: bool) -> bool:
     """Whether a cut after these chunks (of one read) leaves the agent's text equal to the
     decoded ids; `clean`: the answer before them."""
-    for chunk in chunks:
-        for choice in chunk.get("choices") or ():
+    # Only the last chunk of choice 0 with tokens decides: looked for from the end, as a read
+    # of a stream brings dozens of chunks and this runs on every read.
+    for chunk in reversed(chunks):
+        for choice in reversed(chunk.get("choices") or ()):
             if choice.get("index", 0) != 0 or not choice.get("token_ids"):
                 continue
             if api == "completions":
                 text = choice.get("text") or ""
             else:
                 text = (choice.get("delta") or {}).get("content") or ""
-            clean = bool(text) and not text.endswith("\ufffd")
+            return bool(text) and not text.endswith("\ufffd")
     return clean
 
 
