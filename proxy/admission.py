@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trajstore.proxy.errors import ProxyError
+from trajstore.proxy.errors import RetryLater
 
 Source = Literal["admin", "session"]
 
@@ -70,18 +70,11 @@ class RateLimit(BaseModel):
         return float(max(1, math.ceil(self.requests_per_second or 1)))
 
 
-class RateLimited(ProxyError):
+class RateLimited(RetryLater):
     """The run has too many requests waiting; retry later."""
 
     status = 429
     type = "rate_limit_error"
-
-    def __init__(self, message: str | None = None, *, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
 
 
 @dataclass

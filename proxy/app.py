@@ -18,6 +18,8 @@
     WS   /engines/connect                           an engine's relay dials in (`proxy.relay`)
 
 The model-call routes bypass FastAPI (see `proxy.model_calls`): they are the hot path.
+The session routes are `proxy.session_routes`, the admin routes `proxy.admin_routes`; what
+they share (the running proxy, who may call) is `proxy.state`.
 """
 
 from __future__ import annotations
@@ -30,29 +32,19 @@ import os
 import secrets
 import signal
 import sys
-import urllib.parse
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import aiohttp
-from fastapi import Depends, FastAPI, Header, Path, Query, Request, WebSocket
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
-from trajstore.proxy.admission import Admission, RateLimit
-from trajstore.proxy.auth import admin_key_is_valid, require_orchestrator_key, require_session_key
+from trajstore.proxy.admin_routes import add_admin_routes
+from trajstore.proxy.admission import Admission
 from trajstore.proxy.engines import EnginePool
-from trajstore.proxy.errors import (
-    Conflict,
-    NotFound,
-    Overloaded,
-    ProxyError,
-    Unauthorized,
-    from_store_error,
-)
+from trajstore.proxy.errors import ProxyError, from_store_error
 from trajstore.proxy.forwarding import Forwarder
 from trajstore.proxy.lineages import turn_in_log
 from trajstore.proxy.metrics import ProxyMetrics
@@ -61,30 +53,15 @@ from trajstore.proxy.reads import Reader
 from trajstore.proxy.reaper import Reaper
 from trajstore.proxy.relay_channel import accept_relay
 from trajstore.proxy.replicas import connection_name, new_replica_id
-from trajstore.proxy.sessions import CreateSession, Discard, Finish, Reward, SessionRegistry
+from trajstore.proxy.session_routes import add_session_routes
+from trajstore.proxy.sessions import SessionRegistry
 from trajstore.proxy.settings import ProxySettings
-from trajstore.proxy.switching import SwitchConflict, UnknownSwitch
+from trajstore.proxy.state import ProxyState, State
 from trajstore.proxy.tracing import start_tracing
-from trajstore.proxy.transport import TransportError
 from trajstore.store import EventStore, StoreError
 from trajstore.store.collector import fewer_collections
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ProxyState:
-    """Everything a request handler needs, built at startup."""
-
-    settings: ProxySettings
-    store: EventStore
-    registry: SessionRegistry
-    forwarder: Forwarder
-    engines: EnginePool
-    metrics: ProxyMetrics
-    public_url: str
-    admission: Admission
-    reader: Reader
 
 
 class ProxyApp(FastAPI):
@@ -216,252 +193,9 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
     return app
 
 
-# -- dependencies ------------------------------------------------------------------------------
-
-
-async def _state(request: Request) -> ProxyState:
-    # async on purpose: FastAPI runs a plain `def` dependency in a thread pool, per request.
-    state: ProxyState = request.app.state.proxy
-    return state
-
-
-State = Annotated[ProxyState, Depends(_state)]
-Authorization = Annotated[str | None, Header()]
-
-
-def _require_admin(state: ProxyState, authorization: str | None) -> None:
-    if not admin_key_is_valid(state.settings.api_key, authorization):
-        raise Unauthorized("this call needs the proxy's API key (TRAJSTORE_API_KEY) as Bearer")
-
-
-def _require_session_key(
-    state: ProxyState, session_id: str, authorization: str | None, *, model_call: bool = False
-) -> None:
-    require_session_key(
-        state.registry, state.settings.api_key, session_id, authorization, model_call=model_call
-    )
-
-
-def _require_orchestrator_key(
-    state: ProxyState, session_id: str, authorization: str | None
-) -> None:
-    require_orchestrator_key(state.registry, state.settings.api_key, session_id, authorization)
-
-
-async def _read(
-    state: ProxyState,
-    session_id: str,
-    authorization: str | None,
-    under: str,
-    params: dict[str, str] | None = None,
-) -> Response:
-    """A session read: checked and flushed here, answered by the reader process (`proxy.reads`),
-    passed on a chunk at a time; its status and errors as the reader gives them."""
-    _require_session_key(state, session_id, authorization)
-    await state.registry.get(session_id)
-    await state.registry.writer.flush()  # show what this replica recorded so far
-    path = f"/sessions/{urllib.parse.quote(session_id, safe='')}{under}"
-    answer = await state.reader.get(path, params or {})
-    if answer.status != 200:
-        try:
-            body = await answer.read()
-        finally:
-            answer.release()
-        return Response(body, status_code=answer.status, media_type="application/json")
-    return StreamingResponse(state.reader.relay(answer), media_type="application/json")
-
-
-# -- routes ------------------------------------------------------------------------------------
-
-
-class SessionCreated(BaseModel):
-    """What `POST /sessions` returns: where the agent points its client.
-
-    OpenAI clients take `base_url` (`OPENAI_BASE_URL`), which ends in /v1; the Anthropic SDK and
-    Claude-Code-style CLIs take `anthropic_base_url` (`ANTHROPIC_BASE_URL`), to which they add
-    /v1/messages themselves. The same `api_key` serves both, and only calls models: the
-    caller keeps `orchestrator_key`, which rewards, finishes and discards (`proxy.auth`).
-    """
-
-    session_id: str
-    base_url: str
-    anthropic_base_url: str
-    api_key: str
-    orchestrator_key: str
-    run_id: str
-
-
-class PolicyVersion(BaseModel):
-    """`POST /admin/engines/policy-version`: after a weight sync."""
-
-    version: str = Field(min_length=1)
-    engine: str | None = None  # all engines when omitted
-
-
-class SwitchBegin(BaseModel):
-    """`POST /admin/switches`: engines are about to load the weights of policy `version`."""
-
-    version: str = Field(min_length=1)
-    engines: list[str] | None = None  #: their URLs; all engines when omitted
-    checkpoint: str | None = None  #: where the weights are, for the record
-
-
-class SwitchFailed(BaseModel):
-    """`POST /admin/switches/{id}/failed`: the weights did not load."""
-
-    reason: str = Field(min_length=1)
-
-
-def _add_switch_routes(app: FastAPI) -> None:
-    """Weight switches without a drain (`proxy.switching`): began, live, failed."""
-
-    @app.get("/admin/switches")
-    async def list_switches(state: State, authorization: Authorization = None) -> list[Any]:
-        _require_admin(state, authorization)
-        return state.forwarder.switches.describe()
-
-    @app.post("/admin/switches", status_code=201)
-    async def begin_switch(
-        body: SwitchBegin, state: State, authorization: Authorization = None
-    ) -> dict[str, Any]:
-        _require_admin(state, authorization)
-        try:
-            switch = await state.forwarder.switches.begin(
-                body.version, body.engines, body.checkpoint, state.settings.switch_cut_timeout
-            )
-        except KeyError as exc:
-            raise NotFound(f"no engine {exc}; see GET /admin/engines") from None
-        except SwitchConflict as exc:
-            raise Conflict(str(exc)) from None
-        return switch.describe()
-
-    @app.post("/admin/switches/{switch_id}/live")
-    async def switch_live(
-        switch_id: str, state: State, authorization: Authorization = None
-    ) -> dict[str, Any]:
-        _require_admin(state, authorization)
-        try:
-            return (await state.forwarder.switches.live(switch_id)).describe()
-        except UnknownSwitch as exc:
-            raise NotFound(str(exc)) from None
-
-    @app.post("/admin/switches/{switch_id}/failed")
-    async def switch_failed(
-        switch_id: str, body: SwitchFailed, state: State, authorization: Authorization = None
-    ) -> dict[str, Any]:
-        _require_admin(state, authorization)
-        try:
-            return (await state.forwarder.switches.failed(switch_id, body.reason)).describe()
-        except UnknownSwitch as exc:
-            raise NotFound(str(exc)) from None
-
-
 def _add_routes(app: FastAPI) -> None:
-    _add_switch_routes(app)
-
-    @app.post("/sessions", status_code=201, response_model=SessionCreated)
-    async def create_session(
-        body: CreateSession, state: State, response: Response, authorization: Authorization = None
-    ) -> SessionCreated:
-        _require_admin(state, authorization)
-        session_id = body.session_id or secrets.token_hex(12)
-        session, created = await state.registry.create(body, session_id)
-        state.admission.offer(session.run_id, session.rate_limit, session.created_at)
-        if not created:
-            response.status_code = 200
-        return SessionCreated(
-            session_id=session.session_id,
-            base_url=f"{state.public_url}/sessions/{session.session_id}/v1",
-            anthropic_base_url=f"{state.public_url}/sessions/{session.session_id}",
-            api_key=state.registry.key_for(session.session_id),
-            orchestrator_key=state.registry.orchestrator_key_for(session.session_id),
-            run_id=session.run_id,
-        )
-
-    @app.get("/sessions/{session_id}")
-    async def get_session(
-        session_id: str,
-        state: State,
-        authorization: Authorization = None,
-        turn: Annotated[int | None, Query(ge=0, description="A turn to give whole")] = None,
-        after: Annotated[int, Query(ge=-1, description="Start after this turn")] = -1,
-        limit: Annotated[int | None, Query(ge=1, description="Turns in this page")] = None,
-    ) -> Response:
-        """The session as recorded, streamed: each turn with what it added to the turn it
-        continues (`prompt_added` after `prompt_prefix`, `messages` after `messages_prefix`, as
-        the log stores them: the answer grows with the session, not its square) and its
-        `lineage` and `branch`; with `after` and `limit`, a page of turns and `next`, the URL of
-        the page after it; with `turn`, that turn also whole (`prompt_token_ids`, all its
-        `messages`) when the page holds it. See `store.pages`."""
-        params = {"after": str(after)}
-        if turn is not None:
-            params["turn"] = str(turn)
-        if limit is not None:
-            params["limit"] = str(limit)
-        return await _read(state, session_id, authorization, "", params)
-
-    @app.get("/sessions/{session_id}/turns/{n}")
-    async def get_turn(
-        session_id: str,
-        n: Annotated[int, Path(ge=0, description="The turn's index in the session")],
-        state: State,
-        authorization: Authorization = None,
-    ) -> Response:
-        """One turn whole: the turn as a page shows it (`index`, `lineage`, `branch`, its tools
-        in full) with its whole `prompt_token_ids` and all its `messages`, without the rest of
-        the page. The same key as the session's read."""
-        return await _read(state, session_id, authorization, f"/turns/{n}")
-
-    @app.post("/sessions/{session_id}/reward")
-    async def reward(
-        session_id: str, body: Reward, state: State, authorization: Authorization = None
-    ) -> dict[str, Any]:
-        _require_orchestrator_key(state, session_id, authorization)
-        await state.registry.reward(session_id, body)
-        return {"session_id": session_id, "reward": body.value}
-
-    @app.post("/sessions/{session_id}/finish")
-    async def finish(
-        session_id: str, body: Finish, state: State, authorization: Authorization = None
-    ) -> dict[str, Any]:
-        _require_orchestrator_key(state, session_id, authorization)
-        session = await state.registry.finish(session_id, body)
-        if state.forwarder.tracer is not None:
-            state.forwarder.tracer.session_finished(session, session.status)
-        return {"session_id": session_id, "status": session.status}
-
-    @app.post("/sessions/{session_id}/discard")
-    async def discard(
-        session_id: str, body: Discard, state: State, authorization: Authorization = None
-    ) -> dict[str, Any]:
-        _require_orchestrator_key(state, session_id, authorization)
-        await state.registry.discard(session_id, body)
-        return {"session_id": session_id, "discarded": body.reason}
-
-    async def models(state: ProxyState) -> Response:
-        engines = state.engines.engines
-        engine = next((e for e in engines if e.healthy), engines[0] if engines else None)
-        if engine is None:
-            raise Overloaded("no engine yet: name one, or connect a relay")
-        try:
-            answer = await engine.connection().send(
-                "GET", "/v1/models", None, {}, timeout=state.settings.request_timeout
-            )
-            return Response(await answer.read(), status_code=answer.status,
-                            media_type="application/json")  # fmt: skip
-        except (TransportError, TimeoutError) as exc:
-            raise Overloaded(f"the engine at {engine.url} cannot be reached: {exc}") from None
-
-    @app.get("/sessions/{session_id}/v1/models")
-    async def session_models(
-        session_id: str, state: State, authorization: Authorization = None
-    ) -> Response:
-        _require_session_key(state, session_id, authorization, model_call=True)
-        return await models(state)
-
-    @app.get("/v1/models")
-    async def header_models(state: State) -> Response:
-        return await models(state)
+    add_session_routes(app)
+    add_admin_routes(app)
 
     @app.get("/health")
     async def health(state: State) -> JSONResponse:
@@ -481,22 +215,6 @@ def _add_routes(app: FastAPI) -> None:
     async def metrics(state: State) -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/admin/engines")
-    async def list_engines(state: State, authorization: Authorization = None) -> list[Any]:
-        _require_admin(state, authorization)
-        return state.engines.describe()
-
-    @app.post("/admin/engines/policy-version")
-    async def set_policy_version(
-        body: PolicyVersion, state: State, authorization: Authorization = None
-    ) -> list[Any]:
-        _require_admin(state, authorization)
-        urls = [body.engine] if body.engine else [e.url for e in state.engines.engines]
-        try:
-            return [state.engines.set_policy_version(url, body.version).describe() for url in urls]
-        except KeyError:
-            raise NotFound(f"no engine {body.engine!r}; see GET /admin/engines") from None
-
     @app.websocket("/engines/connect")
     async def relay_dials_in(websocket: WebSocket) -> None:
         state: ProxyState = websocket.app.state.proxy
@@ -506,31 +224,6 @@ def _add_routes(app: FastAPI) -> None:
             admin_key=state.settings.api_key,
             relay_tokens=state.settings.relay_tokens,
         )
-
-    # A run's limits live in this replica's memory (`proxy.admission`): with N replicas, call
-    # each with its share. The admin's limits hold over those sessions ask for, until DELETE.
-    @app.get("/admin/runs/{run_id}/limits")
-    async def run_limits(
-        run_id: str, state: State, authorization: Authorization = None
-    ) -> dict[str, Any]:
-        _require_admin(state, authorization)
-        return state.admission.describe(run_id)
-
-    @app.put("/admin/runs/{run_id}/limits")
-    async def set_run_limits(
-        run_id: str, body: RateLimit, state: State, authorization: Authorization = None
-    ) -> dict[str, Any]:
-        _require_admin(state, authorization)
-        state.admission.set_limits(run_id, body)
-        return state.admission.describe(run_id)
-
-    @app.delete("/admin/runs/{run_id}/limits")
-    async def clear_run_limits(
-        run_id: str, state: State, authorization: Authorization = None
-    ) -> dict[str, Any]:
-        _require_admin(state, authorization)
-        state.admission.set_limits(run_id, None)
-        return state.admission.describe(run_id)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

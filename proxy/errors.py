@@ -6,13 +6,16 @@ ProxyError
 ├── NotFound                404  unknown session
 ├── Conflict                409  session finished, discarded, past its deadline, or reused
 ├── PayloadTooLarge         413  body above the limit
-├── Overloaded              503  the recorder or every engine is saturated (Retry-After)
+├── RetryLater                   not now, retry after the time it says (Retry-After)
+│   ├── Overloaded          503  the recorder or every engine is saturated
+│   └── RateLimited         429  the run has too many requests waiting (`proxy.admission`)
 ├── EngineFailed            502/504  the engine failed or timed out (recorded as an event)
 └── TracingUnavailable      (at start) tracing asked for, and it cannot export
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from trajstore.store.errors import BadEvent, StoreError, StoreUnavailable, WriterBackpressure
@@ -80,18 +83,23 @@ class PayloadTooLarge(ProxyError):
     type = "invalid_request_error"
 
 
-class Overloaded(ProxyError):
-    """The proxy is saturated; retry later."""
-
-    status = 503
-    type = "overloaded_error"
+class RetryLater(ProxyError):
+    """Not now: the answer says when to retry (Retry-After, whole seconds, rounded up)."""
 
     def __init__(self, message: str | None = None, *, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, round(self.retry_after)))}
+        """Retry-After: at least the wait asked (a client told less would be refused again)."""
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
+
+
+class Overloaded(RetryLater):
+    """The proxy is saturated; retry later."""
+
+    status = 503
+    type = "overloaded_error"
 
 
 class EngineFailed(ProxyError):

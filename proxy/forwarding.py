@@ -6,6 +6,9 @@ into chunk events. Every failure is recorded as an event and answered in OpenAI'
 An engine is reached through its transport (`proxy.transport`: HTTP, or a relay that dialled
 in), the same way for both; one lost before anything reached the agent leaves a recorded
 failure and the request goes to another engine.
+
+A streamed answer's relay is `proxy.streamed_turn`; how a call ended is recorded and counted by
+`proxy.outcomes`; what the attempts at one request share is in `proxy.attempts`.
 """
 
 from __future__ import annotations
@@ -13,46 +16,34 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
 
-from trajstore.proxy.apis import (
-    Dropped,
-    ImagePart,
-    Translation,
-    as_chat,
-    dropped_header,
-    dropped_json,
-)
+from trajstore.proxy.apis import as_chat, dropped_header, dropped_json
 from trajstore.proxy.apis.base import refuse_hosted
 from trajstore.proxy.apis.messages import Messages
+from trajstore.proxy.attempts import ATTEMPTS, Call, EngineLost, Reply, Segment
 from trajstore.proxy.continuation import RENDERED, Continuer, Plan
 from trajstore.proxy.engines import Engine, EnginePool, NoHealthyEngine
-from trajstore.proxy.errors import BadRequest, EngineFailed, Overloaded, ProxyError, from_bug
+from trajstore.proxy.errors import BadRequest, EngineFailed, Overloaded, ProxyError
 from trajstore.proxy.lineages import PromptContexts, Turn
 from trajstore.proxy.metrics import ProxyMetrics
+from trajstore.proxy.outcomes import Outcomes
 from trajstore.proxy.recorder import RequestRecorder, new_request_id
 from trajstore.proxy.sessions import Session
 from trajstore.proxy.settings import ProxySettings
-from trajstore.proxy.streaming import JsonAnswer, RelayResponse, StreamRelay, Write
-from trajstore.proxy.switching import Generation, Stitcher, VersionSwitches, continuation_body
+from trajstore.proxy.streamed_turn import StreamedTurn
+from trajstore.proxy.streaming import JsonAnswer, RelayResponse
+from trajstore.proxy.switching import VersionSwitches, continuation_body
 from trajstore.proxy.tracing import TurnTracer
-from trajstore.proxy.transport import Answer, AnswerBroken, EngineUnreachable, TransportError
-from trajstore.proxy.wire import (
-    ENGINE_PATHS,
-    Api,
-    Asked,
-    engine_body,
-    extract,
-    parse_body,
-    strip,
-)
+from trajstore.proxy.transport import EngineUnreachable, TransportError
+from trajstore.proxy.wire import ENGINE_PATHS, Api, engine_body, extract, parse_body
 from trajstore.store import BadEvent, EventWriter
+
+__all__ = ["Answered", "Forwarder", "Reply"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +79,8 @@ class Forwarder:
         self.writer = writer
         self.settings = settings
         self.metrics = metrics
+        #: How calls ended, recorded and counted (`proxy.outcomes`).
+        self.outcomes = Outcomes(engines, metrics)
         self.turn_in_log = turn_in_log
         #: Weight switches of the engines: turns in flight cut and continued (`proxy.switching`).
         self.switches = VersionSwitches(engines, writer, hold_timeout=settings.switch_hold_timeout)
@@ -119,14 +112,14 @@ class Forwarder:
                 "the recorder is behind; retry shortly", retry_after=self.writer.retry_after()
             )
         headers = self._headers(extra_headers)
-        call = _Call(api, session, body, chat, asked, translation, headers, dropped, images)
+        call = Call(api, session, body, chat, asked, translation, headers, dropped, images)
         # An engine lost before anything reached the agent (unreachable, its relay gone, its
         # whole answer broken off) leaves a recorded failure, and the request goes to another
         # engine as a new request of the session; once the agent got a stream's head, a break
         # is the agent's to handle (its stream ends with an error event).
         tried: list[Engine] = []
         failure: ProxyError | None = None
-        while len(tried) < _ATTEMPTS:
+        while len(tried) < ATTEMPTS:
             try:
                 engine = self.engines.choose(session.session_id, exclude=tried)
             except NoHealthyEngine as exc:
@@ -136,15 +129,15 @@ class Forwarder:
             tried.append(engine)
             try:
                 return await self._attempt(call, engine)
-            except _EngineLost as lost:
+            except EngineLost as lost:
                 failure = lost.error
                 log.info("%s; trying another engine", lost.error)
         assert failure is not None
         raise failure
 
-    async def _attempt(self, call: _Call, engine: Engine) -> Answered:
+    async def _attempt(self, call: Call, engine: Engine) -> Answered:
         """Record the request as sent to `engine`, send it, answer the agent; raise
-        `_EngineLost` (recorded) when the engine is lost before the agent got anything."""
+        `EngineLost` (recorded) when the engine is lost before the agent got anything."""
         api, session, body, chat, asked = call.api, call.session, call.body, call.chat, call.asked
         # A request to an engine that is switching weights waits for the new ones, so that it is
         # recorded with the version that generates it (`proxy.switching`).
@@ -189,7 +182,7 @@ class Forwarder:
         if not held:
             message = "the engine's weight switch outlasted the hold; retry shortly"
             await recorder.failed("switch_timeout", message, 503)
-            self._count(api, 503)
+            self.outcomes.count(api, 503)
             raise Overloaded(message, retry_after=2.0)
         self.metrics.requests_started.labels(api=api).inc()
         engine_api: Api = "completions" if api == "completions" else "chat"
@@ -198,18 +191,19 @@ class Forwarder:
         sent = engine_body(engine_api, chat, recorder.plan.token_ids)
         segment = await self._send(call, engine, sent, recorder)
         if bool(chat.get("stream")):
-            return await self._stream(call, segment, recorder, reply, sent)
+            turn = StreamedTurn(call, segment, recorder, reply, sent, self.outcomes, self._resume)
+            return await turn.answer()
         return await self._complete(api, segment, recorder, reply, call, sent)
 
     async def _send(
         self,
-        call: _Call,
+        call: Call,
         engine: Engine,
         body: dict[str, Any],
         recorder: RequestRecorder,
         *,
         resuming: bool = False,
-    ) -> _Segment:
+    ) -> Segment:
         """Send one engine request of the turn, on the version `engine` serves when it goes
         (after any switch it is in); recorded failures raise as `_engine_failure` says."""
         while self.switches.switching(engine) is not None:
@@ -230,16 +224,16 @@ class Forwarder:
             self.switches.unregister(generation)
             if resuming and isinstance(exc, EngineUnreachable):
                 self.engines.mark_failed(engine, str(exc))  # another engine may continue it
-                raise _EngineLost(EngineFailed(f"the engine at {engine.url}: {exc}")) from None
-            raise await self._engine_failure(call.api, engine, recorder, exc) from None
+                raise EngineLost(EngineFailed(f"the engine at {engine.url}: {exc}")) from None
+            raise await self.outcomes.engine_failure(call.api, engine, recorder, exc) from None
         generation.close = answer.close
         if generation.cut.is_set():
             generation.cut_now()  # the switch began while the request was on its way
-        return _Segment(engine, answer, generation, release, self.switches.unregister)
+        return Segment(engine, answer, generation, release, self.switches.unregister)
 
     async def _resume(
-        self, call: _Call, cut: _Segment, recorder: RequestRecorder, body: dict[str, Any]
-    ) -> _Segment | None:
+        self, call: Call, cut: Segment, recorder: RequestRecorder, body: dict[str, Any]
+    ) -> Segment | None:
         """Continue a turn that a switch cut, on the version its engine serves once the switch
         ended (another engine's, when its own is lost); None when nothing is left to generate."""
         switch = self.switches.switching(cut.engine)
@@ -258,14 +252,14 @@ class Forwarder:
         while True:
             try:
                 return await self._send(call, engine, resumed, recorder, resuming=True)
-            except _EngineLost as lost:
+            except EngineLost as lost:
                 try:
-                    if len(tried) >= _ATTEMPTS:
+                    if len(tried) >= ATTEMPTS:
                         raise NoHealthyEngine(str(lost.error)) from None
                     engine = self.engines.choose(call.session.session_id, exclude=tried)
                 except NoHealthyEngine:
                     await recorder.failed("engine_unreachable", f"no engine continues it: {lost}")
-                    self._count(call.api, 502)
+                    self.outcomes.count(call.api, 502)
                     raise lost.error from None
                 tried.append(engine)
                 log.info("%s; continuing the turn on %s", lost.error, engine.url)
@@ -303,10 +297,10 @@ class Forwarder:
     async def _complete(
         self,
         api: Api,
-        segment: _Segment,
+        segment: Segment,
         recorder: RequestRecorder,
         reply: Reply,
-        call: _Call,
+        call: Call,
         body: dict[str, Any],
     ) -> Answered:
         while True:
@@ -315,7 +309,9 @@ class Forwarder:
             except BaseException as exc:
                 segment.close()
                 if not segment.generation.was_cut or isinstance(exc, asyncio.CancelledError):
-                    raise await self._engine_failure(api, segment.engine, recorder, exc) from None
+                    raise await self.outcomes.engine_failure(
+                        api, segment.engine, recorder, exc
+                    ) from None
             else:
                 segment.close()
                 if not segment.generation.was_cut:
@@ -326,152 +322,18 @@ class Forwarder:
             assert resumed is not None  # no token came back: something is left
             segment = resumed
         if status != 200:
-            return await self._engine_refusal(api, recorder, status, raw, reply)
+            return await self.outcomes.engine_refusal(api, recorder, status, raw, reply)
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
             await recorder.failed("bad_engine_response", "the engine answered invalid JSON", status)
-            self._count(api, 502)
+            self.outcomes.count(api, 502)
             raise EngineFailed("the engine answered invalid JSON") from None
         extracted = extract(api, data)
         recorder.record(extracted)
         await recorder.finished(extracted.usage)
-        self._observe(api, recorder, extracted.usage)
+        self.outcomes.observe(api, recorder, extracted.usage)
         return JsonAnswer(reply.answer(data), headers=reply.headers)
-
-    # -- streaming ------------------------------------------------------------------------------
-
-    async def _stream(
-        self,
-        call: _Call,
-        segment: _Segment,
-        recorder: RequestRecorder,
-        reply: Reply,
-        body: dict[str, Any],
-    ) -> Answered:
-        api = call.api
-        if segment.answer.status != 200:
-            try:
-                raw = await segment.answer.read()
-            except BaseException as exc:
-                segment.answer.close()
-                raise await self._engine_failure(api, segment.engine, recorder, exc) from None
-            finally:
-                segment.close()
-            return await self._engine_refusal(api, recorder, segment.answer.status, raw, reply)
-
-        current = [segment]  # the engine request now streaming (a switch may continue it)
-        closed = False
-
-        async def close() -> None:
-            nonlocal closed
-            if closed:
-                return
-            closed = True
-            current[0].answer.close()  # the engine stops generating (vLLM aborts: client left)
-            current[0].close()
-            if not recorder.ended:
-                await recorder.failed("client_disconnected", "the agent left before the stream")
-
-        relay = functools.partial(self._relay, call, current, recorder, reply, body)
-        return RelayResponse(relay, on_close=close, headers=reply.headers)
-
-    async def _relay(
-        self,
-        call: _Call,
-        current: list[_Segment],
-        recorder: RequestRecorder,
-        reply: Reply,
-        body: dict[str, Any],
-        write: Write,
-    ) -> None:
-        # Events are relayed as they arrive, but everything that arrived in one read is parsed,
-        # recorded and written to the agent at once (`proxy.streaming`).
-        api = call.api
-        translation = reply.translation
-        translator = (
-            None if translation is None else translation.stream(reply.body, reply.request_id)
-        )
-        relay = StreamRelay(api, recorder, reply.asked, translator)
-        stitcher: Stitcher | None = None
-        while True:
-            segment = current[0]
-            relay.generation = segment.generation
-            try:
-                async for data in segment.answer.chunks():
-                    out = relay.read(data if stitcher is None else stitcher.feed(data))
-                    await recorder.drain()
-                    if relay.engine_error is not None:
-                        await recorder.failed("engine_error", relay.engine_error)
-                        relay.engine_error = None
-                    if out:
-                        await write(out)
-                    if relay.done:
-                        break
-                    if segment.generation.should_cut():
-                        segment.generation.cut_now()
-                        break
-            except asyncio.CancelledError:
-                await recorder.failed("client_disconnected", "the agent closed the connection")
-                self._count(api, 499)
-                raise
-            except (AnswerBroken, TimeoutError, orjson.JSONDecodeError) as exc:
-                if not segment.generation.was_cut:
-                    await self._broke_off(api, segment.engine, recorder, relay, write, exc)
-                    return
-            except Exception as exc:
-                # A bug of ours, mid-stream: the status line is sent, so the agent learns of it
-                # in the stream, and the log keeps the failure instead of a silently cut one.
-                log.exception("relaying a stream failed")
-                await recorder.failed("proxy_error", f"{type(exc).__name__}: {exc}")
-                self._count(api, 500)
-                await write(relay.error(from_bug(exc)))
-                return
-            segment.close()
-            if relay.done or not segment.generation.was_cut:
-                break
-            # A weight switch cut it: the rest comes from the new version, in the same answer.
-            stitcher = Stitcher(relay.first_chunk, len(recorder.prompt_ids or ()),
-                                recorder.tokens_of(0))  # fmt: skip
-            try:
-                resumed = await self._resume(call, segment, recorder, body)
-            except (ProxyError, TimeoutError) as exc:
-                await self._broke_off(api, segment.engine, recorder, relay, write, exc)
-                return
-            if resumed is None:  # cut at its last token: the turn is whole
-                relay.done = True
-                await write(relay.read(b"data: [DONE]\n\n"))
-                break
-            current[0] = resumed
-        if relay.done and not recorder.ended:
-            await recorder.finished(relay.usage)
-            self._observe(api, recorder, relay.usage)
-        elif not relay.done:
-            await recorder.failed("engine_error", "the engine closed the stream before [DONE]")
-            self._count(api, 502)
-            failure = EngineFailed("the engine closed the stream before it was complete")
-            await write(relay.error(failure))
-
-    async def _broke_off(
-        self,
-        api: Api,
-        engine: Engine,
-        recorder: RequestRecorder,
-        relay: StreamRelay,
-        write: Write,
-        exc: BaseException,
-    ) -> None:
-        """The engine's stream broke off (or could not be continued after a switch): record
-        it, and end the agent's stream with an error event."""
-        reason = "engine_timeout" if isinstance(exc, TimeoutError) else "engine_error"
-        message = f"the engine stream broke off: {type(exc).__name__}: {exc}"
-        if isinstance(exc, AnswerBroken):
-            # The connection broke (an engine killed mid-stream): the session's next
-            # requests go elsewhere unless the engine still answers its health check.
-            self.engines.suspect(engine, message)
-        await recorder.failed(reason, message)
-        self._count(api, 502)
-        await write(relay.error(EngineFailed(message)))
 
     # -- continuation ---------------------------------------------------------------------------
 
@@ -504,127 +366,8 @@ class Forwarder:
                         "text there from now on", engine.url)  # fmt: skip
             engine.token_prompts = False
 
-    # -- failures and bookkeeping ---------------------------------------------------------------
-
     def _headers(self, extra: dict[str, str] | None) -> dict[str, str]:
         headers = {"Content-Type": _JSON, **(extra or {})}
         if self.settings.engine_api_key:
             headers["Authorization"] = f"Bearer {self.settings.engine_api_key}"
         return headers
-
-    async def _engine_failure(
-        self, api: Api, engine: Engine, recorder: RequestRecorder, exc: BaseException
-    ) -> BaseException:
-        """Record why the engine gave no (whole) answer; return the error to raise: a lost
-        engine is `_EngineLost`, which sends the request to another engine."""
-        if isinstance(exc, asyncio.CancelledError):
-            await recorder.failed("client_disconnected", "the agent closed the connection")
-            return exc
-        if isinstance(exc, TimeoutError):
-            await recorder.failed("engine_timeout", "the engine did not answer in time")
-            self._count(api, 504)
-            return EngineFailed("the engine did not answer in time", status=504)
-        if isinstance(exc, EngineUnreachable):
-            self.engines.mark_failed(engine, str(exc))
-            await recorder.failed("engine_unreachable", f"{type(exc).__name__}: {exc}")
-            self._count(api, 502)
-            return _EngineLost(EngineFailed(f"the engine at {engine.url} cannot be reached: {exc}"))
-        if isinstance(exc, AnswerBroken):
-            message = f"the engine's answer broke off: {exc}"
-            self.engines.suspect(engine, message)
-            await recorder.failed("engine_error", message)
-            self._count(api, 502)
-            return _EngineLost(EngineFailed(f"the engine at {engine.url} broke off: {exc}"))
-        await recorder.failed("proxy_error", f"{type(exc).__name__}: {exc}")
-        return exc
-
-    async def _engine_refusal(
-        self, api: Api, recorder: RequestRecorder, status: int, raw: bytes, reply: Reply
-    ) -> Answered:
-        """The engine refused the request: record it, pass its (OpenAI-shaped) error on, in the
-        agent's API's shape."""
-        try:
-            message = str(orjson.loads(raw).get("error", {}).get("message"))
-        except (orjson.JSONDecodeError, AttributeError):
-            message = raw[:500].decode(errors="replace")
-        await recorder.failed("engine_error", message, status)
-        self._count(api, status)
-        if reply.translation is not None:
-            error = BadRequest(message) if status == 400 else EngineFailed(message, status=status)
-            error.status = status
-            raw = orjson.dumps(reply.translation.error_body(error))
-        return JsonAnswer(raw, status)
-
-    def _count(self, api: Api, status: int) -> None:
-        self.metrics.requests.labels(api=api, status=str(status)).inc()
-
-    def _observe(self, api: Api, recorder: RequestRecorder, usage: dict[str, Any] | None) -> None:
-        self._count(api, 200)
-        latency = time.monotonic() - recorder.started
-        self.metrics.latency.labels(api=api).observe(latency)
-        if recorder.first_token_at is not None:
-            self.metrics.ttft.labels(api=api).observe(recorder.first_token_at - recorder.started)
-        if usage:
-            self.metrics.tokens.labels(kind="prompt").inc(usage.get("prompt_tokens") or 0)
-            self.metrics.tokens.labels(kind="completion").inc(usage.get("completion_tokens") or 0)
-
-
-_ATTEMPTS = 3  # engines one request may be sent to, when the first ones are lost
-
-
-class _EngineLost(Exception):
-    """The engine was lost before the agent got anything: try another (recorded already)."""
-
-    def __init__(self, error: ProxyError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-@dataclass
-class _Segment:
-    """One engine request of a turn: the first, or a continuation after a weight switch."""
-
-    engine: Engine
-    answer: Answer
-    generation: Generation
-    release: Callable[[], None]
-    unregister: Callable[[Generation], None]
-
-    def close(self) -> None:
-        """It is over: the engine's slot and the switch's watch are released (again: no-op)."""
-        self.release()
-        self.generation.close = None
-        self.unregister(self.generation)
-
-
-@dataclass
-class _Call:
-    """What every attempt at one agent request shares."""
-
-    api: Api
-    session: Session
-    body: dict[str, Any]  #: the agent's request
-    chat: dict[str, Any]  #: what the engine is asked (chat, or the agent's completions body)
-    asked: Asked
-    translation: Translation | None
-    headers: dict[str, str]
-    dropped: list[Dropped]  #: of the agent's tools, those the engine does not get
-    images: list[ImagePart]  #: a translated request's images (`proxy.apis.ImagePart`)
-
-
-@dataclass
-class Reply:
-    """How the engine's answers go back to the agent: as the engine gave them, less what the
-    agent did not ask for (chat, completions), or translated into its API (`proxy.apis`)."""
-
-    asked: Asked
-    translation: Translation | None
-    body: dict[str, Any]  #: the agent's request
-    request_id: str
-    headers: dict[str, str] = field(default_factory=dict)  #: said with the answer
-
-    def answer(self, data: dict[str, Any]) -> bytes:
-        """A whole answer, as the agent's API gives it."""
-        if self.translation is None:
-            return orjson.dumps(strip(data, self.asked, streaming=False))
-        return orjson.dumps(self.translation.answer(data, self.body, self.request_id))

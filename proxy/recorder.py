@@ -3,8 +3,12 @@
 Every request gets its own stream (`request-<id>`), numbered by this recorder alone, so replicas
 never contend (see `store.events`). Nothing here awaits the database: events go to the
 `EventWriter`'s queue, and only when that queue is over its hard limit does `put()` wait, which
-slows the stream instead of dropping tokens. Each event's payload is built as its typed model
-(`store.payloads_request`; the prose is in `store.sessions`).
+slows the stream instead of dropping tokens. Each event's payload is built in the stored form
+of its typed model (`store.payloads_request`; the prose is in `store.sessions`).
+
+The request_received payload is built by `proxy.received`, the prompt_tokens payload by
+`proxy.prompts`; each choice's tokens wait in a `proxy.choice_buffer.ChoiceBuffer` until a
+chunk event is full.
 """
 
 from __future__ import annotations
@@ -12,37 +16,31 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import orjson
 
 from trajstore.proxy import routing
 from trajstore.proxy.apis.base import ImagePart
+from trajstore.proxy.choice_buffer import ChoiceBuffer
 from trajstore.proxy.continuation import RENDERED, Plan
-from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES, referenced, referenced_body
-from trajstore.proxy.lineages import Ending, SessionTurns, Turn, messages_key, render_key
-from trajstore.proxy.wire import Api, Asked, ChoiceTokens, Extracted, sampling_of
+from trajstore.proxy.images import DEFAULT_MAX_IMAGE_BYTES
+from trajstore.proxy.lineages import Ending, SessionTurns, Turn, messages_key
+from trajstore.proxy.prompts import prompt_payload
+from trajstore.proxy.received import received
+from trajstore.proxy.wire import Api, Asked, Extracted
 from trajstore.store import BadEvent, EventWriter, NewEvent, request_stream
 from trajstore.store.payloads import Payload, VersionSpan, dump, stored
 from trajstore.store.payloads_request import (
     CompletionChunk,
     CompletionFinished,
-    Continuation,
     FinishedChoice,
     ImageRecorded,
-    MessagesPrefix,
-    PromptPrefix,
     PromptTokens,
     RequestFailed,
     RequestReceived,
 )
 from trajstore.store.tokens import TOKEN_DTYPE, decode_token_ids, encode_token_ids, shared_prefix
-
-#: A prompt is stored as a reference to an earlier turn of the session when it shares at least
-#: this many leading tokens with it (the prompt_tokens contract in `store.sessions`).
-MIN_SHARED_TOKENS = 16
 
 #: What ends a turn: its completion_finished or request_failed payload (`on_ended` gets it).
 TurnEnding = CompletionFinished | RequestFailed
@@ -58,52 +56,9 @@ def _without_nul(value: Any) -> Any:
     return value
 
 
-def _prompt_source(plan: Plan) -> dict[str, Any]:
-    """What the prompt_tokens event records of how the prompt reached the engine: continued
-    (the turn and choice, whether audited, the drift measured) or rendered (and why)."""
-    if plan.source == "continued":
-        request_id = None if plan.turn is None else plan.turn.request_id
-        # drift_at is there only when measured (an audited turn): null would say "no drift".
-        if plan.audit:
-            continued = stored(
-                Continuation,
-                request_id=request_id,
-                choice=plan.choice,
-                audit=True,
-                drift_at=plan.drift_at,
-            )
-        else:
-            continued = stored(Continuation, request_id=request_id, choice=plan.choice, audit=False)
-        return {"prompt_source": "continued", "continuation": continued}
-    if plan.fallback is not None:
-        return {
-            "prompt_source": "rendered",
-            "continuation": stored(Continuation, fallback=plan.fallback),
-        }
-    return {"prompt_source": "rendered"}
-
-
 def new_request_id() -> str:
     """A fresh, unique request id: 128 random bits, as hex (cheaper than uuid4, as unique)."""
     return f"{random.getrandbits(128):032x}"
-
-
-@dataclass
-class _ChoiceBuffer:
-    """Tokens of one choice not yet written, and what the finished event will say of it."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    logprobs_complete: bool = True
-    text: list[str] = field(default_factory=list)
-    n_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: Any = None
-    message: dict[str, Any] | None = None
-    content: list[str] = field(default_factory=list)  # streamed chat content, for the message
-    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
-    role: str | None = None
-    routed_experts: str | None = None  # as the engine sent them (`proxy.routing`)
 
 
 class RequestRecorder:
@@ -149,7 +104,7 @@ class RequestRecorder:
         self.ended = False
         self.prompt_recorded = False
         self.tokens_recorded = 0
-        self._choices: dict[int, _ChoiceBuffer] = {}
+        self._choices: dict[int, ChoiceBuffer] = {}
         self._outbox: list[NewEvent] = []
         self.turns = turns or SessionTurns()
         #: The remembered turns whose messages this request repeats, deepest first.
@@ -168,8 +123,6 @@ class RequestRecorder:
         self.image_token_id = image_token_id
         self.engine: str | None = None
         self.routed_experts_start = 0  # the request's `routed_experts_prompt_start`
-        # The images recorded for the session so far (by this replica): referenced, not repeated.
-        self._images = self.turns.images
         self.on_ended = on_ended
         self.response_model: str | None = None  #: the model the engine says answered
         #: (version, first token) of each engine request of the turn, in order: one, unless a
@@ -190,104 +143,32 @@ class RequestRecorder:
         dropped_tools: list[dict[str, Any]] | None = None,
         images: list[ImagePart] | None = None,
     ) -> NewEvent:
-        """Build (and so validate) the request_received event, before anything is forwarded.
-
-        `body` is the agent's request as it sent it; `chat` the chat request it was translated
-        to (`proxy.apis`; the body itself for chat): its sampling, messages and render options
-        are what the next turn is compared with. `replica`: the proxy replica serving it.
-        `dropped_tools`: the agent's tools the engine did not get (`proxy.apis.Dropped`).
-        `images`: a translated request's images, which its recorded body refers to by hash as
-        chat's does (`proxy.apis.ImagePart`).
-        """
+        """Build (and so validate) the request_received event, before anything is forwarded
+        (`proxy.received`, which says what each argument is); `chat` is the chat request the
+        body was translated to, the body itself when omitted."""
         chat = body if chat is None else chat
         self.api = api
         self.engine = engine
         start = chat.get("routed_experts_prompt_start")
         self.routed_experts_start = start if isinstance(start, int) and start > 0 else 0
-        payload: dict[str, Any] = {
-            "request_id": self.request_id,
-            "api": api,
-            "body": body,
-            "sampling": sampling_of(chat),
-            "engine": engine,
-            "policy_version": policy_version,
-            "logprobs_mode": logprobs_mode,
-            "stream": bool(chat.get("stream")),
-            "asked": asked.as_json(),
-            "received_at": time.time(),
-        }
-        if replica is not None:
-            payload["replica"] = replica
-        if dropped_tools:
-            payload["dropped_tools"] = dropped_tools
-        messages = chat.get("messages")
-        recorded = messages
-        if api != "completions" and isinstance(messages, list):
-            # Images go into the record once per session, and the body refers to them by hash.
-            # Their events follow this one at the next drain.
-            recorded = self._take_images(messages, payload, images or [])
-            if images and recorded is not messages:
-                payload["body"] = referenced_body(body, images, recorded)
-        if api != "completions" and isinstance(recorded, list):
-            self._messages = (len(recorded), orjson.dumps(recorded))
-            self._render_key = render_key(chat)
-            # Only a request with history can continue a turn; without, it costs no look-up (a
-            # session used as a plain endpoint holds thousands of one-call lineages).
-            if any(m.get("role") == "assistant" for m in recorded if isinstance(m, dict)):
-                self.candidates = self.turns.continued_by(self._messages[1])
-        if api == "chat" and isinstance(recorded, list):
-            # Only chat stores messages by reference: the other APIs' bodies are their own.
-            continued = self._messages_continued()
-            if continued is not None:
-                n_messages = continued.n_messages
-                payload["body"] = {**body, "messages": recorded[n_messages:]}
-                payload["messages_prefix"] = stored(
-                    MessagesPrefix, request_id=continued.request_id, n_messages=n_messages
-                )
-            elif recorded is not messages:
-                payload["body"] = {**body, "messages": recorded}
-        return self._event(RequestReceived, stored(RequestReceived, **payload))
-
-    def _take_images(
-        self, messages: list[Any], payload: dict[str, Any], images: list[ImagePart]
-    ) -> list[Any]:
-        """The messages as recorded: each image replaced by its reference. The images new to
-        the session wait in the outbox as `image_recorded` events; `payload` gets the count,
-        the placeholder id, and for a translated API the hashes in order (`images`, its
-        body's own shape being no chat messages)."""
-        params = {id(image.chat_part): image.param for image in images}
-        found = referenced(messages, self.max_image_bytes, params)
-        if not found.n_images:
-            return messages
-        payload["n_images"] = found.n_images
-        if images:
-            payload["images"] = found.hashes
-        if self.image_token_id is not None:
-            payload["image_token_id"] = self.image_token_id
-        for sha256, image in found.images.items():
-            if sha256 not in self._images:
-                self._outbox.append(self._event(ImageRecorded, dump(image.payload())))
-        self._images = self._images | found.images.keys()
-        self.turns.images = self._images  # later requests of the session refer to them
-        return found.messages
+        request = received(
+            self.request_id, api=api, body=body, chat=chat, engine=engine,
+            policy_version=policy_version, logprobs_mode=logprobs_mode, asked=asked,
+            replica=replica, dropped_tools=dropped_tools, images=images or [], turns=self.turns,
+            max_image_bytes=self.max_image_bytes, image_token_id=self.image_token_id,
+        )  # fmt: skip
+        self._messages, self._render_key = request.messages, request.render_key
+        self.candidates = request.candidates
+        event = self._event(RequestReceived, request.payload)
+        # The images new to the session follow it, at the next drain.
+        for image in request.new_images:
+            self._outbox.append(self._event(ImageRecorded, dump(image.payload())))
+        return event
 
     @property
     def messages_json(self) -> bytes:
         """The request's messages as orjson serialises them (chat; b"" otherwise)."""
         return self._messages[1]
-
-    def _messages_continued(self) -> Turn | None:
-        """The deepest remembered chat turn whose messages this request repeats first, which
-        `messages_prefix` names (then its body stores only the rest); else None.
-
-        Found by the messages' serialisation (`SessionTurns.continued_by`): `[A,B]` and
-        `[A,B,C]` agree up to the former's closing bracket, where the latter has a comma, and
-        JSON values delimit themselves, so the first messages are the same values.
-        """
-        for turn in self.candidates:
-            if turn.api == "chat" and turn.n_messages:
-                return turn
-        return None
 
     def generating_on(self, version: str) -> None:
         """The tokens recorded from now on come from policy `version` (an engine request of
@@ -318,14 +199,17 @@ class RequestRecorder:
         return None if prompt is None else prompt.tolist()
 
     def version_spans(self, index: int) -> list[VersionSpan]:
-        """Which version generated which of choice `index`'s tokens, as stored."""
+        """Which version generated which of choice `index`'s tokens."""
+        return [VersionSpan(version=v, start=s, end=e) for v, s, e in self._spans(index)]
+
+    def _spans(self, index: int) -> list[tuple[str, int, int]]:
+        """(version, start, end) of each span of choice `index`'s tokens."""
         n = self.tokens_of(index)
         versions = self._versions if index == 0 else self._versions[:1]  # n > 1 is never cut
-        spans = []
-        for i, (version, start) in enumerate(versions):
-            end = versions[i + 1][1] if i + 1 < len(versions) else n
-            spans.append(VersionSpan(version=version, start=start, end=end))
-        return spans
+        return [
+            (version, start, versions[i + 1][1] if i + 1 < len(versions) else n)
+            for i, (version, start) in enumerate(versions)
+        ]
 
     async def emit(self, event: NewEvent) -> None:
         """Queue one event of this request's stream."""
@@ -345,8 +229,10 @@ class RequestRecorder:
         for choice in extracted.choices:
             buffer = self._choices.get(choice.index)
             if buffer is None:
-                buffer = self._choices[choice.index] = _ChoiceBuffer()
-            self._take(buffer, choice)
+                buffer = self._choices[choice.index] = ChoiceBuffer()
+            if choice.token_ids and self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            buffer.take(choice)
             if len(buffer.token_ids) >= self.chunk_tokens:
                 self._chunk(choice.index, buffer)
 
@@ -376,9 +262,12 @@ class RequestRecorder:
                 "index": index,
                 "finish_reason": buffer.finish_reason,
                 "stop_reason": buffer.stop_reason,
-                "message": buffer.message or self._streamed_message(buffer),
+                "message": buffer.final_message(),
                 "n_tokens": buffer.n_tokens,
-                "version_spans": self.version_spans(index),
+                # Stored forms, not models: every completion_finished carries them.
+                "version_spans": [
+                    stored(VersionSpan, version=v, start=s, end=e) for v, s, e in self._spans(index)
+                ],
             }
             if self.finish_reason_in_api is not None:
                 ending = self.finish_reason_in_api(buffer.finish_reason, buffer.stop_reason)
@@ -469,31 +358,28 @@ class RequestRecorder:
     # -- internals ----------------------------------------------------------------------------
 
     def _prompt_event(self, token_ids: list[int]) -> NewEvent:
-        """The prompt_tokens event: whole, or what follows the part shared with `previous`.
+        """The prompt_tokens event: whole, or what follows the part shared with an earlier turn
+        (`proxy.prompts`).
 
         The prompt is packed (and checked) once; the event then takes a view of it. A chat
         prompt also says how it reached the engine, checked against what the engine echoed.
         """
         packed = self._prompt = encode_token_ids(token_ids)
         ids = np.frombuffer(packed, TOKEN_DTYPE)
-        payload: dict[str, Any] = {"choice": None}
+        plan: Plan | None = None
         if self._messages[0]:
             if self.plan.source == "continued" and packed != self.plan.packed:
                 # The engine rendered the messages itself: its echo is the truth, and says so.
                 self.plan = RENDERED._replace(fallback="engine_ignored_token_prompt")
-            payload |= _prompt_source(self.plan)
+            plan = self.plan
             if self.on_prompt is not None:
-                self.on_prompt(self.plan)
+                self.on_prompt(plan)
         # Stored against the turn it continues, else the deepest whose messages it repeats,
         # else the session's latest (a new conversation often repeats the system prompt).
         reference = self.plan.turn or next(iter(self.candidates), None) or self.turns.latest
         self._reference = reference
-        shared = 0 if reference is None else shared_prefix(packed, reference.tokens)
-        if reference is None or shared < MIN_SHARED_TOKENS:
-            return self._event(PromptTokens, stored(PromptTokens, **payload), token_ids=ids)
-        payload["prefix"] = stored(PromptPrefix, request_id=reference.request_id, n_tokens=shared)
-        payload["n_tokens"] = len(ids)
-        return self._event(PromptTokens, stored(PromptTokens, **payload), token_ids=ids[shared:])
+        payload, shared = prompt_payload(packed, plan, reference)
+        return self._event(PromptTokens, payload, token_ids=ids[shared:])
 
     def _event(
         self,
@@ -522,68 +408,19 @@ class RequestRecorder:
         cleaned = kind.read({**_without_nul(payload), "nul_replaced": True})
         return self._event(kind, dump(cleaned), token_ids=token_ids, logprobs=logprobs)
 
-    def _take(self, buffer: _ChoiceBuffer, choice: ChoiceTokens) -> None:
-        if choice.token_ids and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
-        buffer.token_ids.extend(choice.token_ids)
-        if choice.logprobs is None:
-            buffer.logprobs_complete = buffer.logprobs_complete and not choice.token_ids
-        else:
-            buffer.logprobs.extend(choice.logprobs)
-        buffer.text.append(choice.text)
-        buffer.n_tokens += len(choice.token_ids)
-        buffer.finish_reason = choice.finish_reason or buffer.finish_reason
-        buffer.stop_reason = choice.stop_reason or buffer.stop_reason
-        if choice.message is not None:
-            buffer.message = choice.message
-        if choice.delta:
-            self._merge_delta(buffer, choice.delta)
-        if choice.routed_experts:
-            buffer.routed_experts = choice.routed_experts
-
-    @staticmethod
-    def _merge_delta(buffer: _ChoiceBuffer, delta: dict[str, Any]) -> None:
-        buffer.role = delta.get("role") or buffer.role
-        if delta.get("content"):
-            buffer.content.append(delta["content"])
-        for call in delta.get("tool_calls") or ():
-            merged = buffer.tool_calls.setdefault(
-                int(call.get("index") or 0), {"function": {"name": "", "arguments": ""}}
-            )
-            for key in ("id", "type"):
-                if call.get(key):
-                    merged[key] = call[key]
-            function = call.get("function") or {}
-            merged["function"]["name"] += function.get("name") or ""
-            merged["function"]["arguments"] += function.get("arguments") or ""
-
-    @staticmethod
-    def _streamed_message(buffer: _ChoiceBuffer) -> dict[str, Any] | None:
-        if buffer.role is None and not buffer.content and not buffer.tool_calls:
-            return None
-        message: dict[str, Any] = {
-            "role": buffer.role or "assistant",
-            "content": "".join(buffer.content) or None,
-        }
-        if buffer.tool_calls:
-            message["tool_calls"] = [buffer.tool_calls[i] for i in sorted(buffer.tool_calls)]
-        return message
-
-    def _chunk(self, index: int, buffer: _ChoiceBuffer) -> None:
+    def _chunk(self, index: int, buffer: ChoiceBuffer) -> None:
         if not buffer.token_ids:
             return
-        logprobs = buffer.logprobs if buffer.logprobs_complete else None
+        token_ids, logprobs, text = buffer.take_chunk()
         event = self._event(
             CompletionChunk,
-            CompletionChunk.stored(index, "".join(buffer.text)),
-            token_ids=buffer.token_ids,
+            CompletionChunk.stored(index, text),
+            token_ids=token_ids,
             logprobs=logprobs,
         )
-        self.tokens_recorded += len(buffer.token_ids)
+        self.tokens_recorded += len(token_ids)
         if event.token_bytes is not None:
             self._completions.setdefault(index, []).append(event.token_bytes)
-        buffer.token_ids, buffer.logprobs, buffer.text = [], [], []
-        buffer.logprobs_complete = True
         self._outbox.append(event)
 
     def _all_chunks(self) -> None:

@@ -136,14 +136,20 @@ class Switch:
     #: Gives the switch up when no word (live or failed) comes in time (`VersionSwitches.begin`).
     expiry: asyncio.Task[None] | None = None
 
-    def describe(self) -> dict[str, Any]:
-        """What the admin API answers."""
+    def facts(self) -> dict[str, Any]:
+        """What each of the switch's events and the admin API say of it: which, to what, when."""
         return {
             "switch_id": self.switch_id,
             "version": self.version,
             "engines": [e.url for e in self.engines],
             "checkpoint": self.checkpoint,
             "began_at": self.began_at,
+        }
+
+    def describe(self) -> dict[str, Any]:
+        """What the admin API answers."""
+        return {
+            **self.facts(),
             "outcome": self.outcome,
             "interrupted": self.interrupted,
             "held": self.held,
@@ -228,7 +234,7 @@ class VersionSwitches:
             if pending:
                 log.warning("switch %s: %d requests still open after %.0fs",
                             switch.switch_id, len(pending), timeout)  # fmt: skip
-        began = PolicySwitchBegan(**self._common(switch), interrupted=switch.interrupted)
+        began = PolicySwitchBegan(**switch.facts(), interrupted=switch.interrupted)
         await self._record(switch, 1, began)
         # A publisher that dies between "going live" and "live" must not leave its engines
         # holding requests: past twice the hold bound (the held requests refused by then) the
@@ -250,7 +256,7 @@ class VersionSwitches:
         for engine in switch.engines:
             self.engines.set_policy_version(engine.url, switch.version)
         switch.outcome = "live"
-        payload = PolicySwitchLive(**self._common(switch), live_at=time.time(), previous=previous)
+        payload = PolicySwitchLive(**switch.facts(), live_at=time.time(), previous=previous)
         await self._record(switch, 2, payload)
         self._end(switch)
         return switch
@@ -259,7 +265,7 @@ class VersionSwitches:
         """The switch's weights did not load: its engines go on with the version they had."""
         switch = self._take(switch_id)
         switch.outcome = "failed"
-        payload = PolicySwitchFailed(**self._common(switch), failed_at=time.time(), reason=reason)
+        payload = PolicySwitchFailed(**switch.facts(), failed_at=time.time(), reason=reason)
         await self._record(switch, 2, payload)
         self._end(switch)
         return switch
@@ -283,16 +289,6 @@ class VersionSwitches:
         self.history = [*self.history[-19:], switch.describe()]
         log.info("switch %s to version %s: %s", switch.switch_id, switch.version, switch.outcome)
 
-    @staticmethod
-    def _common(switch: Switch) -> dict[str, Any]:
-        return {
-            "switch_id": switch.switch_id,
-            "version": switch.version,
-            "engines": [e.url for e in switch.engines],
-            "checkpoint": switch.checkpoint,
-            "began_at": switch.began_at,
-        }
-
     async def _record(self, switch: Switch, number: int, payload: Any) -> None:
         await self.writer.put(switch_stream(switch.switch_id), number, NewEvent(
             EventType(payload.event_type), payload=payload))  # fmt: skip
@@ -305,15 +301,17 @@ class VersionSwitches:
 def clean_point(api: str, chunks: list[dict[str, Any]], clean: bool) -> bool:
     """Whether a cut after these chunks (of one read) leaves the agent's text equal to the
     decoded ids; `clean`: the answer before them."""
-    for chunk in chunks:
-        for choice in chunk.get("choices") or ():
+    # Only the last chunk of choice 0 with tokens decides: looked for from the end, as a read
+    # of a stream brings dozens of chunks and this runs on every read.
+    for chunk in reversed(chunks):
+        for choice in reversed(chunk.get("choices") or ()):
             if choice.get("index", 0) != 0 or not choice.get("token_ids"):
                 continue
             if api == "completions":
                 text = choice.get("text") or ""
             else:
                 text = (choice.get("delta") or {}).get("content") or ""
-            clean = bool(text) and not text.endswith("\ufffd")
+            return bool(text) and not text.endswith("\ufffd")
     return clean
 
 

@@ -87,25 +87,29 @@ def stored(cls: type[BaseModel], **fields: Any) -> dict[str, Any]:
     several payloads per request (one per 16 generated tokens), where building and dumping
     models cost its recorded answer about a quarter more CPU (`benchmarks/proxy_costs.py`).
     An undeclared field is refused, as a typo would otherwise be stored as an unknown one;
-    parts may be given as models or as their stored form. Readers always validate (`load`)."""
-    declared = _declared(cls)
+    parts may be given as models or as their stored form. Readers always validate (`load`).
+    Only the fields whose type can hold a part are walked, as `dump` does: a request's body of
+    thousands of messages is stored as given, not copied value by value."""
+    declared, nested, version = _SHAPES.get(cls) or _shape(cls)
     if not declared.issuperset(fields):
         raise TypeError(f"{cls.__name__} declares no {sorted(set(fields) - declared)}")
-    raw = {name: _plain(value) for name, value in fields.items()}
-    if issubclass(cls, Payload) and cls.schema_version > 1:
-        raw[VERSION_KEY] = cls.schema_version
+    raw = fields  # a new dict per call (keyword arguments): ours to fill
+    for name in nested.intersection(fields):
+        raw[name] = _plain(raw[name])
+    if version > 1:
+        raw[VERSION_KEY] = version
     return raw
 
 
-#: model class -> its field names, for `stored`.
-_DECLARED: dict[type[BaseModel], frozenset[str]] = {}
+#: model class -> (its field names, those that can hold a part, the version it stores), for
+#: `stored`: looked up once per class, not per payload.
+_SHAPES: dict[type[BaseModel], tuple[frozenset[str], frozenset[str], int]] = {}
 
 
-def _declared(cls: type[BaseModel]) -> frozenset[str]:
-    names = _DECLARED.get(cls)
-    if names is None:
-        names = _DECLARED[cls] = frozenset(cls.model_fields)
-    return names
+def _shape(cls: type[BaseModel]) -> tuple[frozenset[str], frozenset[str], int]:
+    version = cls.schema_version if issubclass(cls, Payload) else 1
+    shape = _SHAPES[cls] = (frozenset(cls.model_fields), _nested(cls), version)
+    return shape
 
 
 def dump(payload: BaseModel) -> dict[str, Any]:
@@ -149,7 +153,19 @@ def _holds_model(annotation: Any) -> bool:
     return any(_holds_model(arg) for arg in getattr(annotation, "__args__", ()))
 
 
+#: Values `_plain` returns as they are, by exact type: looked up first, as `isinstance` against
+#: `BaseModel` (an ABC) costs about 0.2 us a value, and most values of a payload are scalars.
+_LEAVES = frozenset({str, int, float, bool, type(None)})
+
+
 def _plain(value: Any) -> Any:
+    kind = type(value)
+    if kind in _LEAVES:
+        return value
+    if kind is dict:
+        return {key: _plain(item) for key, item in value.items()}
+    if kind is list:
+        return [_plain(item) for item in value]
     if isinstance(value, BaseModel):
         return _fields(value)
     if isinstance(value, list):
