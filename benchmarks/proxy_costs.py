@@ -28,9 +28,10 @@ from overhead_servers import request_body
 from tests.proxy.fake_engine import FakeEngine
 from trajstore.proxy.apis import as_chat
 from trajstore.proxy.auth import require_session_key
-from trajstore.proxy.forwarding import Forwarder, Reply
+from trajstore.proxy.forwarding import Reply
 from trajstore.proxy.metrics import ProxyMetrics
 from trajstore.proxy.model_calls import match, presented_key
+from trajstore.proxy.outcomes import Outcomes
 from trajstore.proxy.recorder import RequestRecorder
 from trajstore.proxy.sessions import SessionRegistry
 from trajstore.proxy.streaming import StreamRelay
@@ -137,9 +138,7 @@ def stages(repeat: int) -> list[tuple[str, str, float]]:
         (b"content-type", b"application/json"), (b"content-length", b"%d" % len(raw)),
         (b"host", b"127.0.0.1:8400"), (b"user-agent", b"Python/3.11 aiohttp/3.14"),
     ]  # fmt: skip
-    metrics = ProxyMetrics()
-    forwarder = Forwarder.__new__(Forwarder)
-    forwarder.metrics = metrics
+    outcomes = Outcomes(None, ProxyMetrics())  # type: ignore[arg-type]  # no engine is lost here
 
     def route_and_auth() -> None:
         match("/sessions/s-1/v1/chat/completions")
@@ -201,7 +200,7 @@ def stages(repeat: int) -> list[tuple[str, str, float]]:
         ("request", "the answer parsed", t(lambda: orjson.loads(whole))),
         ("request", "the answer recorded (prompt, chunk, finished)", t(record_whole)),
         ("request", "the agent's answer (stripped, serialised)", t(lambda: reply.answer(data))),
-        ("request", "metrics", t(lambda: forwarder._observe("chat", recorder(), usage))),
+        ("request", "metrics", t(lambda: outcomes.observe("chat", recorder(), usage))),
         ("stream", f"the whole stream relayed and recorded ({n} events)", t(relay_stream)),
         ("event", "parsed (one orjson.loads per read)", loads / n),
         ("event", "ids, logprobs, text taken out", t(lambda: extract_stream("chat", chunks)) / n),
