@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
+from trajstore.proxy import versions
 from trajstore.proxy.admission import RateLimit
 from trajstore.proxy.errors import Conflict, NotFound
 from trajstore.proxy.state import Authorization, State, require_admin
@@ -51,11 +52,15 @@ def add_admin_routes(app: FastAPI) -> None:
         body: PolicyVersion, state: State, authorization: Authorization = None
     ) -> list[Any]:
         require_admin(state, authorization)
-        urls = [body.engine] if body.engine else [e.url for e in state.engines.engines]
+        urls = [body.engine] if body.engine else None
+        switches = state.forwarder.switches
         try:
-            return [state.engines.set_policy_version(url, body.version).describe() for url in urls]
+            engines = await versions.set_policy_version(switches, body.version, urls)
         except KeyError:
             raise NotFound(f"no engine {body.engine!r}; see GET /admin/engines") from None
+        except SwitchConflict as exc:
+            raise Conflict(str(exc)) from None
+        return [engine.describe() for engine in engines]
 
     # A run's limits live in this replica's memory (`proxy.admission`): with N replicas, call
     # each with its share. The admin's limits hold over those sessions ask for, until DELETE.

@@ -57,7 +57,8 @@ class EventType(StrEnum):
     REWARD_ASSIGNED = "reward_assigned"
     SESSION_FINISHED = "session_finished"
     SESSION_DISCARDED = "session_discarded"
-    POLICY_VERSION_SET = "policy_version_set"  #: declared, never written: see POLICY_SWITCH_*
+    #: The admin named the version engines serve, outside a switch (`proxy.versions`).
+    POLICY_VERSION_SET = "policy_version_set"
     #: A weight switch of engines (`proxy.switching`): began, went live, or failed to load.
     POLICY_SWITCH_BEGAN = "policy_switch_began"
     POLICY_SWITCH_LIVE = "policy_switch_live"
@@ -115,6 +116,11 @@ def request_stream(request_id: str) -> str:
 def switch_stream(switch_id: str) -> str:
     """The stream of one weight switch (began, then live or failed), by the replica running it."""
     return f"switch-{switch_id}"
+
+
+def version_set_stream(set_id: str) -> str:
+    """The stream of one policy version the admin set (`policy_version_set`), alone in it."""
+    return f"version-set-{set_id}"
 
 
 def session_stream(session_id: str) -> str:

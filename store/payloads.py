@@ -221,6 +221,19 @@ class VersionSpan(BaseModel):
     end: int
 
 
+@payload_type
+class PolicyVersionSet(Payload):
+    """The admin named the policy version engines serve, outside a switch
+    (`POST /admin/engines/policy-version`, after a weight sync the proxy did not run): every
+    turn those engines start from now on records `version`."""
+
+    event_type: ClassVar[str] = "policy_version_set"
+    version: str
+    engines: list[str]  #: the engines it names (their URLs)
+    previous: dict[str, str] = {}  #: engine URL -> the version it served before
+    set_at: float  #: the proxy's clock
+
+
 class _Switch(Payload):
     """What every event of one weight switch says."""
 

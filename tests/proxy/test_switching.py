@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import orjson
 import pytest
 
 from tests.proxy.fake_engine import FakeEngine, content_text, version_logprob
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
 from trajstore.publish import Publisher, PublishFailed
 from trajstore.store import EventStore
+from trajstore.store.payloads import PolicyVersionSet
 
 N = 120  # tokens of each turn
 DELAY = 0.01  # seconds per token: a turn streams for about a second
@@ -242,6 +244,42 @@ async def test_a_switch_nobody_ends_is_given_up_and_its_engine_serves_again(
     kinds = await switch_events(database_url)
     assert [k["event_type"] for k in kinds] == ["policy_switch_began", "policy_switch_failed"]
     assert "no word within" in kinds[1]["reason"]
+
+
+async def test_a_version_named_outside_a_switch_is_recorded_and_refused_while_switching(
+    start_proxy: ProxyFactory, two_versioned: tuple[FakeEngine, FakeEngine], database_url: str
+) -> None:
+    """A trainer that syncs weights itself names the version: the turns after it record it, the
+    log keeps who was told what and when, and an engine mid-switch is not told twice."""
+    first, second = two_versioned
+    proxy = await start_proxy([first.url, second.url])
+    url = f"{proxy.url}/admin/engines/policy-version"
+    named = await proxy.http.post(url, json={"version": "7"})
+    assert named.status_code == 200, named.text
+    assert [e["policy_version"] for e in named.json()] == ["7", "7"]
+    first.version = second.version = "7"
+    session = await proxy.new_session()
+    await proxy.agent(session).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "count"}], max_tokens=8
+    )
+    [turn] = (await proxy.session_record(session["session_id"]))["turns"]
+    assert turn["policy_version"] == "7" and exact(turn["choices"][0], 8) == ["7"]
+    # Mid-switch, the engine is refused (409): its version is the switch's to name.
+    switch_id = await begin(proxy, "8", [second.url])
+    refused = await proxy.http.post(url, json={"version": "9", "engine": second.url})
+    assert refused.status_code == 409 and "switching" in refused.json()["error"]["message"]
+    second.version = "8"
+    await live(proxy, switch_id)
+    engines = (await proxy.http.get(f"{proxy.url}/admin/engines")).json()
+    assert [e["policy_version"] for e in engines] == ["7", "8"]
+    async with await EventStore.open(database_url) as store:
+        rows = await store.fetch(
+            "SELECT payload FROM events WHERE event_type = 'policy_version_set' ORDER BY position"
+        )
+    # One: the refused call said nothing.
+    [said] = [PolicyVersionSet.read(orjson.loads(row["payload"])) for row in rows]
+    assert (said.version, said.engines) == ("7", [first.url, second.url])
+    assert said.previous == {first.url: "0", second.url: "0"}
 
 
 async def test_an_engine_that_dies_mid_switch_hands_its_turn_to_another(
