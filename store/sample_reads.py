@@ -143,7 +143,7 @@ WHERE projection_version = {SERVED_SAMPLES_VERSION}
 # in flight: the same rule as the event log's READ_ALL, so a slow commit is never skipped.
 TAIL = """
 SELECT sample_id, session_id, group_id, reward, token_ids, loss_mask, logprobs, version_spans,
-       policy_version_min, projected_tx, projected_seq
+       policy_version_min, projection_version, projected_tx, projected_seq
 FROM samples
 WHERE {where}
   AND (projected_tx, projected_seq) > (${tx}::xid8, ${seq}::int8)

@@ -25,8 +25,8 @@ from trajstore.trainer import lag
 from trajstore.trainer.advantages import group_advantages
 from trajstore.trainer.arrays import Arrays, decode_arrays
 from trajstore.trainer.collate import Layout, collate
-from trajstore.trainer.index import IndexEntry, open_store
-from trajstore.trainer.replay import replay_sample, teacher_arrays
+from trajstore.trainer.index import IndexEntry, open_store, skipped_entry
+from trajstore.trainer.replay import replay_sample, routed_arrays, teacher_arrays
 from trajstore.trainer.selection import Selection
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,9 @@ class _Held:
     advantage: float | None = None  # set once its group is complete
     teacher: np.ndarray | None = None  # the teacher's logprobs, once it scored the sample
     since: float = 0.0  # when the tail read it (the loop's clock)
+    version: int = 0  # the projection version it was read from
+    routed: np.ndarray | None = None  # its recorded routing, with `routing`, once read
+    routing_read: bool = False
 
 
 @dataclass
@@ -84,11 +87,17 @@ class _LiveState:
     seq: int
     delivered: set[str]
     held: dict[uuid.UUID, _Held] = field(default_factory=dict)  # in arrival order
+    skipped: list[dict[str, Any]] = field(default_factory=list)  # told with the next batch
 
     def checkpoint(self) -> LiveCheckpoint:
         return LiveCheckpoint(
             self.tx, self.seq, frozenset(self.delivered), tuple(str(i) for i in self.held)
         )
+
+
+def _held(row: asyncpg.Record, since: float = 0.0) -> _Held:
+    entry, arrays = _entry(row)
+    return _Held(entry, arrays, since=since, version=int(row["projection_version"]))
 
 
 def _entry(row: asyncpg.Record) -> tuple[IndexEntry, Arrays]:
@@ -144,6 +153,8 @@ async def replay_live(
     max_lag: int | None = None,
     teacher: str | None = None,
     teacher_wait: float = 60.0,
+    max_sample_tokens: int | None = None,
+    routing: bool = False,
 ) -> AsyncIterator[tuple[TensorDict, LiveCheckpoint]]:
     """Batches of samples as their sessions finish, each with the checkpoint that follows it.
 
@@ -169,6 +180,11 @@ async def replay_live(
     Distillation (`teacher`): a sample waits for that teacher's score (a scorer following the
     run: `trajstore score --follow`) up to `teacher_wait` seconds, then goes without it
     (`teacher_mask` false, logged), as one whose scoring failed does at once.
+
+    `max_sample_tokens` and `routing` are `replay`'s: a longer sample is skipped whole (never
+    delivered, named in the next batch's `skipped`), and one within the limit but over
+    `token_budget` gets a row or batch of its own; with `routing`, batches carry the routed
+    experts the engine recorded (`routed_experts`).
     """
     selection = selection or Selection()
     layout = Layout(batch_size, token_budget, pack)
@@ -184,22 +200,30 @@ async def replay_live(
             rows = await sample_reads.read_tail(store, selection, position, read_limit)
             for row in rows:
                 state.tx, state.seq = int(row["projected_tx"]), int(row["projected_seq"])
-                entry, arrays = _entry(row)
+                held = _held(row, since=loop.time())
+                entry = held.entry
                 if str(entry.sample_id) in state.delivered and not redeliver:
                     continue
                 if entry.reward is None:
                     state.held.pop(entry.sample_id, None)  # an older copy may be held
                     continue
                 state.held.pop(entry.sample_id, None)  # re-projected: keep the newest copy
-                state.held[entry.sample_id] = _Held(entry, arrays, since=loop.time())
+                if max_sample_tokens is not None and entry.n_tokens > max_sample_tokens:
+                    state.skipped.append(skipped_entry(entry, max_sample_tokens))
+                    state.delivered.add(str(entry.sample_id))  # never trained, never again
+                    continue
+                state.held[entry.sample_id] = held
             _release_groups(state, group_size)
             if teacher is not None:
                 await _await_teacher(store, state, teacher, loop.time() - teacher_wait)
+            if routing:
+                await _read_routing(store, state)
             current = selection
             if policy_version is not None:
                 current = lag.at_version(selection, policy_version())
                 lag.drop_stale(state.held, state.delivered, current, max_lag)
-            for batch, after in _full_batches(state, layout, current, teacher):
+            long_alone = max_sample_tokens is not None
+            for batch, after in _full_batches(state, layout, current, teacher, long_alone):
                 yield batch, after
             if rows:
                 idle_since = loop.time()
@@ -220,9 +244,9 @@ async def _reload_pending(store: EventStore, pending: Sequence[str], state: _Liv
         if row is None:
             log.warning("live replay: held sample %s left the projection; not delivered", sample_id)
             continue
-        entry, arrays = _entry(row)
-        if entry.reward is not None:
-            state.held[sample_id] = _Held(entry, arrays)
+        held = _held(row)
+        if held.entry.reward is not None:
+            state.held[sample_id] = held
 
 
 async def _await_teacher(
@@ -243,8 +267,24 @@ async def _await_teacher(
             held.teacher = np.full(held.entry.n_tokens, np.nan, np.float32)
 
 
+async def _read_routing(store: EventStore, state: _LiveState) -> None:
+    """Read the recorded routing of the held samples not yet asked for (`routed_arrays`)."""
+    unread: dict[int, list[_Held]] = {}
+    for held in state.held.values():
+        if not held.routing_read:
+            unread.setdefault(held.version, []).append(held)
+    for version, members in unread.items():
+        found = await routed_arrays(store, version, [h.entry.sample_id for h in members])
+        for held in members:
+            held.routed, held.routing_read = found.get(held.entry.sample_id), True
+
+
 def _full_batches(
-    state: _LiveState, layout: Layout, selection: Selection, teacher: str | None = None
+    state: _LiveState,
+    layout: Layout,
+    selection: Selection,
+    teacher: str | None = None,
+    long_alone: bool = False,
 ) -> Iterator[tuple[TensorDict, LiveCheckpoint]]:
     """The full batches the held samples make, each with the checkpoint right after it.
 
@@ -259,7 +299,9 @@ def _full_batches(
     ]
     if not ready:
         return
-    plan = layout.plan([h.entry.n_tokens for h in ready], [h.entry.sample_id for h in ready])
+    plan = layout.plan(
+        [h.entry.n_tokens for h in ready], [h.entry.sample_id for h in ready], long_alone=long_alone
+    )
     last_full = not layout.pack and len(plan[-1]) == layout.batch_size
     for batch_rows in plan if last_full else plan[:-1]:
         rows = []
@@ -268,10 +310,13 @@ def _full_batches(
             for i in row:
                 held = ready[i]
                 assert held.advantage is not None
-                samples.append(
-                    replay_sample(held.entry, held.arrays, held.advantage, selection, held.teacher)
-                )
+                samples.append(replay_sample(held.entry, held.arrays, held.advantage, selection,
+                                             held.teacher, held.routed))  # fmt: skip
                 del state.held[held.entry.sample_id]
                 state.delivered.add(str(held.entry.sample_id))
             rows.append(samples)
-        yield collate(rows), state.checkpoint()
+        batch = collate(rows)
+        if state.skipped:  # told once, with the next batch
+            batch.set_non_tensor("skipped", state.skipped)
+            state.skipped = []
+        yield batch, state.checkpoint()

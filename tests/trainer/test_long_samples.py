@@ -17,6 +17,7 @@ from trajstore.trainer.learner import LearnerConfig
 from trajstore.trainer.ledger import read_step
 from trajstore.trainer.recipe import RecipeConfig, train_steps
 from trajstore.trainer.replay import replay
+from trajstore.trainer.replay_live import replay_live
 from trajstore.trainer.selection import Selection
 
 LONG = 65_536
@@ -69,6 +70,28 @@ async def test_a_selection_of_only_over_long_samples_says_so(store: EventStore) 
     with pytest.raises(BadSelection, match=r"all 2 selected samples are longer than "
                        r"max_sample_tokens=100 \(the longest has 408 tokens\)"):  # fmt: skip
         [b async for b in replay(store, batch_size=2, max_sample_tokens=100)]
+
+
+async def test_live_replay_skips_an_over_long_sample_once_and_gives_a_long_one_its_own_batch(
+    store: EventStore,
+) -> None:
+    await store_samples(store, [row("long", 1000), row("short", 40), row("too-long", 3000)])
+    options: dict[str, Any] = {"batch_size": 1, "token_budget": 512, "max_sample_tokens": 2048,
+                               "poll_interval": 0.05, "idle_timeout": 1.0}  # fmt: skip
+    items = [item async for item in replay_live(store, **options)]
+    by_id = {s["session_id"]: b for b, _ in items for s in b.get_non_tensor("samples")}
+    assert set(by_id) == {"long", "short"}
+    assert by_id["long"]["input_ids"].shape == (1, 1008)  # over the budget, whole, alone
+    skipped = items[0][0].get_non_tensor("skipped")
+    assert [(s["session_id"], s["n_tokens"]) for s in skipped] == [("too-long", 3008)]
+    assert all(b.get_non_tensor("skipped", default=None) is None for b, _ in items[1:])
+    # Skipped is final: a resumed live replay neither trains nor reports it again.
+    resumed = [item async for item in replay_live(store, checkpoint=items[-1][1], **options)]
+    assert resumed == []
+    # Without a limit, a sample over the budget is refused, as `replay` refuses it.
+    with pytest.raises(BadSelection, match="more than token_budget=512"):
+        [item async for item in replay_live(store, batch_size=1, token_budget=512,
+                                            poll_interval=0.05, idle_timeout=1.0)]  # fmt: skip
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from trajstore.trainer.errors import TrainerError
 from trajstore.trainer.learner import Learner, LearnerConfig
 from trajstore.trainer.loss import token_logprobs
 from trajstore.trainer.replay import replay
+from trajstore.trainer.replay_live import replay_live
 from trajstore.trainer.routing import as_batch_routing, captured, replayed, routers
 
 ROWS, LENGTH, PROMPT = 4, 32, 8
@@ -124,7 +125,9 @@ def test_after_a_step_the_replayed_ratio_stays_nearer_one_than_free_routing() ->
     assert before[0] < before[1] and after[0] < after[1]
 
 
-async def test_a_replay_carries_the_recorded_routing_into_the_batch(store: EventStore) -> None:
+async def moe_session(store: EventStore) -> np.ndarray:
+    """A projected session of one turn (4 prompt + 3 generated tokens) whose engine recorded the
+    routing of its first 6 tokens; returns that routing (tokens x layers x top-k)."""
     recorded = RecordedSession(store, "moe")
     await recorded.created(group_id="g")
     prompt, completion = [5, 6, 7, 8], [9, 10, 11]
@@ -138,9 +141,25 @@ async def test_a_replay_carries_the_recorded_routing_into_the_batch(store: Event
     await store.append(request_stream("r0"), [event])
     await recorded.finished(reward=1.0)
     await Projector(store).run_once()
+    return experts
+
+
+async def test_a_replay_carries_the_recorded_routing_into_the_batch(store: EventStore) -> None:
+    experts = await moe_session(store)
     [batch] = [b async for b in replay(store, batch_size=1, routing=True)]
     routed = batch["routed_experts"][0]
     assert routed.shape == (7, 2, 2)
     assert routed[:6].tolist() == experts.tolist() and (routed[6] == -1).all()
     [plain] = [b async for b in replay(store, batch_size=1)]
     assert plain.get("routed_experts", None) is None
+
+
+async def test_a_live_replay_carries_it_too(store: EventStore) -> None:
+    experts = await moe_session(store)
+    live = replay_live(store, batch_size=1, routing=True, poll_interval=0.05, idle_timeout=1.0)
+    [(batch, _)] = [item async for item in live]
+    routed = batch["routed_experts"][0]
+    assert routed[:6].tolist() == experts.tolist() and (routed[6] == -1).all()
+    plain = replay_live(store, batch_size=1, poll_interval=0.05, idle_timeout=1.0)
+    [(batch, _)] = [item async for item in plain]
+    assert batch.get("routed_experts", None) is None
