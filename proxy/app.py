@@ -134,6 +134,8 @@ def create_app(settings: ProxySettings, database_url: str) -> FastAPI:
             tracer=tracer,
         )
         registry.on_closed.append(forwarder.contexts.forget)
+        if tracer is not None:
+            registry.on_finished.append(tracer.session_finished)
         metrics.contexts_held.set_function(lambda: forwarder.contexts.held)
         app.state.proxy = ProxyState(
             settings=settings,

@@ -114,8 +114,6 @@ def add_session_routes(app: FastAPI) -> None:
     ) -> dict[str, Any]:
         require_orchestrator(state, session_id, authorization)
         session = await state.registry.finish(session_id, body)
-        if state.forwarder.tracer is not None:
-            state.forwarder.tracer.session_finished(session, session.status)
         return {"session_id": session_id, "status": session.status}
 
     @app.post("/sessions/{session_id}/discard")

@@ -177,6 +177,9 @@ class SessionRegistry:
         #: Told the id of every session finished or discarded (here, or by another replica):
         #: what is kept for its requests can go (`proxy.lineages.PromptContexts.forget`).
         self.on_closed: list[Callable[[str], None]] = []
+        #: Told once of each session this replica records the finish of (by its orchestrator,
+        #: past its deadline, or idle: `proxy.reaper`), not of a retried finish: its trace's root.
+        self.on_finished: list[Callable[[Session], None]] = []
         self.replicas = Replicas(
             store,
             writer,
@@ -332,6 +335,8 @@ class SessionRegistry:
         await self._append(session, SessionFinished(**request.model_dump(exclude_none=True)))
         session.status = request.status
         self._closed(session_id)
+        for listener in self.on_finished:
+            listener(session)
         return session
 
     async def reward(self, session_id: str, request: Reward) -> Session:

@@ -23,8 +23,9 @@ user data.
 One trace per session: the trace id is a digest of the session id, so every replica's spans of
 one session share it without talking to each other. Each call's span is a child of the
 session's span, whose id is a digest of the session id too; that span itself (run, task,
-status) is emitted by the replica that finishes the session, spanning its whole life. The
-replica is the spans' resource's `service.instance.id`.
+status) is emitted once, by the replica that records its finish (`SessionRegistry.on_finished`:
+the orchestrator's, the deadline's or the reaper's; not a retried one), spanning its whole
+life. The replica is the spans' resource's `service.instance.id`.
 
 Cost and failure: the span is built when the recorder has queued the turn's last event, as a
 finished span (`TurnTracer`), and handed to the SDK's `BatchSpanProcessor`, whose thread
@@ -273,13 +274,13 @@ class TurnTracer:
         )
         self.processor.on_end(span)
 
-    def session_finished(self, session: Session, status: str) -> None:
+    def session_finished(self, session: Session) -> None:
         """The session's own span: from its creation to now, the parent of its calls' spans.
 
         Its id is fixed by the session id, so the calls' spans (made earlier, perhaps on other
         replicas) already name it as their parent."""
         try:
-            self._session_span(session, status)
+            self._session_span(session, session.status)
         except Exception:
             log.exception("emitting the span of session %s failed", session.session_id)
 

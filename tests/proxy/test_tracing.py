@@ -220,6 +220,37 @@ async def test_a_collector_that_is_down_costs_the_agent_nothing_and_loses_no_rec
     assert all(t.choices[0].token_ids and t.n_prompt_tokens for t in record.turns)
 
 
+async def test_each_session_ending_gives_its_root_span_once(
+    start_proxy: ProxyFactory, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retried finish (an orchestrator's retry after a lost answer) gives no second root; a
+    session the proxy times out at its deadline gets one too, saying so."""
+    with http_receiver() as (endpoint, received):
+        _collector(monkeypatch, endpoint, "http/protobuf")
+        proxy = await start_proxy([engine.url], tracing="otlp")
+        finished = (await proxy.new_session(run_id="run-retried"))["session_id"]
+        assert (await proxy.finish(finished)).status_code == 200
+        assert (await proxy.finish(finished)).status_code == 200  # the retry: same answer
+        late = await proxy.new_session(run_id="run-late", deadline_s=0.2)
+        await asyncio.sleep(0.4)
+        async with _agent(proxy, late) as agent:
+            with pytest.raises(Exception, match="deadline"):
+                await agent.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hi"}]
+                )
+        # The timeout's root was queued last: once it is in, a second root of the retried
+        # finish, queued before it, would be in too (the exporter sends in order).
+        for _ in range(1000):
+            spans = list(received.spans)
+            if any(s.attributes["trajstore.session.status"] == "timeout" for s in spans):
+                break
+            await asyncio.sleep(0.02)
+    statuses = {trace_id_of(finished): "completed", trace_id_of(late["session_id"]): "timeout"}
+    assert sorted((s.trace_id, s.attributes["trajstore.session.status"]) for s in spans) == sorted(
+        statuses.items()
+    )
+
+
 async def test_a_failed_call_is_an_error_span(
     start_proxy: ProxyFactory, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
