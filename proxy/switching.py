@@ -54,7 +54,12 @@ import orjson
 from trajstore.proxy.engines import Engine, EnginePool
 from trajstore.store import EventWriter, NewEvent
 from trajstore.store.events import EventType, switch_stream
-from trajstore.store.payloads import PolicySwitchBegan, PolicySwitchFailed, PolicySwitchLive
+from trajstore.store.payloads import (
+    Payload,
+    PolicySwitchBegan,
+    PolicySwitchFailed,
+    PolicySwitchLive,
+)
 
 log = logging.getLogger(__name__)
 
@@ -208,10 +213,7 @@ class VersionSwitches:
     ) -> Switch:
         """Start switching the engines at `urls` (all when None) to `version`: cut their turns
         in flight, hold their new requests; return once every cut request is closed."""
-        engines = list(self.engines.engines) if not urls else [self.engines.get(u) for u in urls]
-        busy = [e.url for e in engines if e.url in self._by_engine]
-        if busy:
-            raise SwitchConflict(f"already switching: {', '.join(busy)}; end that switch first")
+        engines = self.not_switching(urls)
         switch = Switch(secrets.token_hex(8), version, engines, checkpoint, time.time())
         for engine in engines:
             self._by_engine[engine.url] = switch
@@ -235,7 +237,7 @@ class VersionSwitches:
                 log.warning("switch %s: %d requests still open after %.0fs",
                             switch.switch_id, len(pending), timeout)  # fmt: skip
         began = PolicySwitchBegan(**switch.facts(), interrupted=switch.interrupted)
-        await self._record(switch, 1, began)
+        await self.record(switch_stream(switch.switch_id), 1, began)
         # A publisher that dies between "going live" and "live" must not leave its engines
         # holding requests: past twice the hold bound (the held requests refused by then) the
         # switch is given up, as a failed load is.
@@ -257,7 +259,7 @@ class VersionSwitches:
             self.engines.set_policy_version(engine.url, switch.version)
         switch.outcome = "live"
         payload = PolicySwitchLive(**switch.facts(), live_at=time.time(), previous=previous)
-        await self._record(switch, 2, payload)
+        await self.record(switch_stream(switch.switch_id), 2, payload)
         self._end(switch)
         return switch
 
@@ -266,7 +268,7 @@ class VersionSwitches:
         switch = self._take(switch_id)
         switch.outcome = "failed"
         payload = PolicySwitchFailed(**switch.facts(), failed_at=time.time(), reason=reason)
-        await self._record(switch, 2, payload)
+        await self.record(switch_stream(switch.switch_id), 2, payload)
         self._end(switch)
         return switch
 
@@ -289,10 +291,20 @@ class VersionSwitches:
         self.history = [*self.history[-19:], switch.describe()]
         log.info("switch %s to version %s: %s", switch.switch_id, switch.version, switch.outcome)
 
-    async def _record(self, switch: Switch, number: int, payload: Any) -> None:
-        await self.writer.put(switch_stream(switch.switch_id), number, NewEvent(
-            EventType(payload.event_type), payload=payload))  # fmt: skip
-        await self.writer.flush()  # the trainer's call returns once the log knows
+    def not_switching(self, urls: Sequence[str] | None) -> list[Engine]:
+        """The engines at `urls` (all when None): `KeyError` for one the pool does not have,
+        `SwitchConflict` naming those in a switch now."""
+        engines = list(self.engines.engines) if not urls else [self.engines.get(u) for u in urls]
+        busy = [e.url for e in engines if e.url in self._by_engine]
+        if busy:
+            raise SwitchConflict(f"already switching: {', '.join(busy)}; end that switch first")
+        return engines
+
+    async def record(self, stream: str, number: int, payload: Payload) -> None:
+        """Append a version event (a switch's, a version set's); return once the log has it."""
+        event = NewEvent(EventType(payload.event_type), payload=payload)
+        await self.writer.put(stream, number, event)
+        await self.writer.flush()
 
 
 # -- a cut turn's continuation ---------------------------------------------------------------

@@ -17,9 +17,8 @@ import time
 from collections.abc import Sequence
 
 from trajstore.proxy.engines import Engine
-from trajstore.proxy.switching import SwitchConflict, VersionSwitches
-from trajstore.store import NewEvent
-from trajstore.store.events import EventType, version_set_stream
+from trajstore.proxy.switching import VersionSwitches
+from trajstore.store.events import version_set_stream
 from trajstore.store.payloads import PolicyVersionSet
 
 
@@ -28,20 +27,12 @@ async def set_policy_version(
 ) -> list[Engine]:
     """Name `version` as what the engines at `urls` (all when None) serve, and record it.
     `KeyError` for an unknown engine, `SwitchConflict` for one that is switching."""
-    pool = switches.engines
-    engines = list(pool.engines) if not urls else [pool.get(url) for url in urls]
-    busy = [e.url for e in engines if switches.switching(e) is not None]
-    if busy:
-        raise SwitchConflict(
-            f"switching: {', '.join(busy)}; its switch names the version when it goes live"
-        )
+    engines = switches.not_switching(urls)
     previous = {e.url: e.policy_version for e in engines}
     for engine in engines:
-        pool.set_policy_version(engine.url, version)
+        switches.engines.set_policy_version(engine.url, version)
     payload = PolicyVersionSet(
         version=version, engines=[e.url for e in engines], previous=previous, set_at=time.time()
     )
-    event = NewEvent(EventType.POLICY_VERSION_SET, payload=payload)
-    await switches.writer.put(version_set_stream(secrets.token_hex(8)), 1, event)
-    await switches.writer.flush()  # the trainer's call returns once the log knows
+    await switches.record(version_set_stream(secrets.token_hex(8)), 1, payload)
     return engines

@@ -96,11 +96,7 @@ class _LiveState:
 
 
 def _held(row: asyncpg.Record, since: float = 0.0) -> _Held:
-    entry, arrays = _entry(row)
-    return _Held(entry, arrays, since=since, version=int(row["projection_version"]))
-
-
-def _entry(row: asyncpg.Record) -> tuple[IndexEntry, Arrays]:
+    """A tail (or served) row as the replay holds it: its index entry, its decoded arrays."""
     tokens, mask, logprobs, versions = decode_arrays(
         row["token_ids"], row["loss_mask"], row["logprobs"], row["version_spans"]
     )
@@ -112,7 +108,8 @@ def _entry(row: asyncpg.Record) -> tuple[IndexEntry, Arrays]:
         int(tokens.shape[0]),
         row["policy_version_min"],
     )
-    return entry, (tokens, mask, logprobs, versions)
+    return _Held(entry, (tokens, mask, logprobs, versions), since=since,
+                 version=int(row["projection_version"]))  # fmt: skip
 
 
 def _release_groups(state: _LiveState, group_size: int | None) -> None:
