@@ -27,8 +27,8 @@ from overhead_servers import request_body
 
 from tests.proxy.fake_engine import FakeEngine
 from trajstore.proxy.apis import as_chat
+from trajstore.proxy.attempts import Reply
 from trajstore.proxy.auth import require_session_key
-from trajstore.proxy.forwarding import Reply
 from trajstore.proxy.metrics import ProxyMetrics
 from trajstore.proxy.model_calls import match, presented_key
 from trajstore.proxy.outcomes import Outcomes

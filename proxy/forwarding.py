@@ -43,7 +43,7 @@ from trajstore.proxy.transport import EngineUnreachable, TransportError
 from trajstore.proxy.wire import ENGINE_PATHS, Api, engine_body, extract, parse_body
 from trajstore.store import BadEvent, EventWriter
 
-__all__ = ["Answered", "Forwarder", "Reply"]
+__all__ = ["Answered", "Forwarder"]
 
 log = logging.getLogger(__name__)
 
