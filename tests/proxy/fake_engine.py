@@ -49,23 +49,10 @@ from aiohttp import web
 from tests.proxy.fake_answers import Payload, render, sse_event
 from tests.proxy.fake_tokens import (
     EOS,
-    IMAGE_PAD,
-    NEWLINE,
-    VISION_START,
     chat_prompt_ids,
-    content_text,
-    expert_ids,
-    image_token_count,
     token_text,
     version_logprob,
 )
-
-#: The tokeniser's names the tests import from here, besides the engine's own.
-__all__ = [
-    "EOS", "FAULTS", "IMAGE_PAD", "MAX_MODEL_LEN", "NEWLINE", "VISION_START", "FakeEngine",
-    "chat_prompt_ids", "content_text", "expert_ids", "image_token_count", "serve_forever",
-    "token_text", "version_logprob",
-]  # fmt: skip
 
 MAX_MODEL_LEN = 2048
 FAULTS = frozenset({"error-400", "error-500", "slow", "stall-mid-stream", "drop-mid-stream"})

@@ -17,7 +17,8 @@ import uvicorn
 from openai import AsyncOpenAI
 
 from tests.conftest import free_port
-from tests.proxy.fake_engine import IMAGE_PAD, FakeEngine
+from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fake_tokens import IMAGE_PAD
 from trajstore.proxy.app import create_app
 from trajstore.proxy.server import SERVER_OPTIONS
 from trajstore.proxy.settings import ProxySettings

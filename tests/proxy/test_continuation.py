@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import free_port
-from tests.proxy.fake_engine import EOS, NEWLINE, FakeEngine, chat_prompt_ids
+from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fake_tokens import EOS, NEWLINE, chat_prompt_ids
 from tests.proxy.fixtures import ProxyFactory, RunningProxy, serve_proxy
 from trajstore.proxy.settings import ProxySettings
 

@@ -9,7 +9,8 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.proxy.fake_engine import EOS, FakeEngine, chat_prompt_ids
+from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fake_tokens import EOS, chat_prompt_ids
 from tests.support import eventually
 
 MSGS = [{"role": "user", "content": "What is 3 plus 4?"}]

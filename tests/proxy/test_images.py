@@ -19,7 +19,8 @@ import httpx
 import pandas as pd
 import pytest
 
-from tests.proxy.fake_engine import IMAGE_PAD, VISION_START, FakeEngine, image_token_count
+from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fake_tokens import IMAGE_PAD, VISION_START, image_token_count
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
 from tests.store.test_export import trajstore
 from trajstore.store import EventStore, EventType

@@ -15,7 +15,8 @@ import anthropic
 import pytest
 from openai import AsyncOpenAI, BadRequestError
 
-from tests.proxy.fake_engine import IMAGE_PAD, FakeEngine, image_token_count
+from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fake_tokens import IMAGE_PAD, image_token_count
 from tests.proxy.fixtures import RunningProxy
 from tests.proxy.test_images import PNG_A, PNG_B, URL, data_url, sha
 from trajstore.store import EventType

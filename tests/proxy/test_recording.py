@@ -14,7 +14,8 @@ import httpx
 import orjson
 import pytest
 
-from tests.proxy.fake_engine import FakeEngine, chat_prompt_ids
+from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fake_tokens import chat_prompt_ids
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
 from trajstore.store import EventType
 from trajstore.store.connection import connect

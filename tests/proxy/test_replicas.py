@@ -12,7 +12,8 @@ import pytest
 from openai import AsyncOpenAI
 
 from tests.conftest import free_port
-from tests.proxy.fake_engine import FakeEngine, chat_prompt_ids
+from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fake_tokens import chat_prompt_ids
 from tests.proxy.fixtures import ProxyFactory, RunningProxy, serve_proxy
 from trajstore.proxy.replicas import connection_name
 from trajstore.proxy.settings import ProxySettings

@@ -12,7 +12,8 @@ import anthropic
 import numpy as np
 import pytest
 
-from tests.proxy.fake_engine import FakeEngine, expert_ids
+from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fake_tokens import expert_ids
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
 from trajstore.store import EventType
 from trajstore.store.side_data import EXPERTS, ROUTED_EXPERTS

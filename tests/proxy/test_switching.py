@@ -19,7 +19,8 @@ import anthropic
 import orjson
 import pytest
 
-from tests.proxy.fake_engine import FakeEngine, content_text, version_logprob
+from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fake_tokens import content_text, version_logprob
 from tests.proxy.fixtures import ProxyFactory, RunningProxy
 from trajstore.publish import Publisher, PublishFailed
 from trajstore.store import EventStore

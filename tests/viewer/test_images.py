@@ -8,7 +8,7 @@ import re
 
 import httpx
 
-from tests.proxy.fake_engine import IMAGE_PAD, image_token_count
+from tests.proxy.fake_tokens import IMAGE_PAD, image_token_count
 from tests.proxy.fixtures import RunningProxy
 from tests.proxy.test_images import PNG_A, URL, chat, data_url, reply_of, sha, user
 

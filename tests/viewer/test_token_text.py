@@ -11,7 +11,8 @@ import httpx
 from markupsafe import escape
 
 from tests.conftest import free_port
-from tests.proxy.fake_engine import FakeEngine, token_text
+from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.fake_tokens import token_text
 from tests.support import RecordedSession
 from trajstore.store import EventStore
 
