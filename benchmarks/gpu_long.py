@@ -9,12 +9,13 @@ is a result, `"status": "oom"`, not a failure):
 
   today's shape   0.5B, batches of 8 samples of 512-1,536 tokens, padded and packed (flex):
                   logprobs full (before: the model's float32 logits, `trainer.loss`), chunked
-                  (`trainer.logprobs`), chunked + gradient checkpointing, liger (a GPU)
+                  (`trainer.logprobs`), chunked + gradient checkpointing (full, and selective:
+                  `trainer.activations`), liger (a GPU)
   head            the output layer's logprobs alone on 12,288 tokens, forward + backward with a
                   per-token gradient: full logits, chunked, Liger-Kernel's fused linear
                   cross-entropy (when the package is there), each checked against full
   long samples    0.5B, one sample of 32 k and of 64 k tokens a step: full (before) against
-                  chunked + checkpointing (after), liger + checkpointing (a GPU)
+                  chunked + checkpointing, full and selective (after), liger + checkpointing
   longest         the 1.5B shape then the 0.5B shape, samples of growing length (one step
                   each), chunked + checkpointing, until one runs out of memory or time
 
@@ -150,7 +151,8 @@ async def loop_case(
     budget = case.get("row_tokens", budget)  # packed rows of another length
     learner_config = LearnerConfig(
         device=args.device, attention=attention, logprobs=case["logprobs"],
-        gradient_checkpointing=case["checkpointing"], micro_token_budget=case.get("micro"),
+        gradient_checkpointing=case["checkpointing"], checkpoint_mode=case.get("mode", "full"),
+        micro_token_budget=case.get("micro"),
         pad_multiple=budget if pack and budget else 64,
     )  # fmt: skip
     config = RecipeConfig(batch_size=case.get("rows", 1) if pack else batch_size,
@@ -237,6 +239,7 @@ async def main(args: argparse.Namespace, store: EventStore, url: str, shape: dic
     full, chunked, ckpt = ({"logprobs": "full", "checkpointing": False},
                            {"logprobs": "chunked", "checkpointing": False},
                            {"logprobs": "chunked", "checkpointing": True})  # fmt: skip
+    sac = ckpt | {"mode": "selective"}  # the matmuls' and attention's outputs kept
     liger, liger_ckpt = ({"logprobs": "liger", "checkpointing": False},
                          {"logprobs": "liger", "checkpointing": True})  # fmt: skip
     on_gpu = device.type == "cuda"  # Liger's kernels are Triton's: a GPU's
@@ -246,7 +249,7 @@ async def main(args: argparse.Namespace, store: EventStore, url: str, shape: dic
     micro = {"padded": chunked | {"micro": 4096, "tag": "micro 4096"},
              "packed flex": chunked | {"row_tokens": args.budget // 2, "rows": 2,
                                        "micro": args.budget // 2, "tag": "2 rows"}}  # fmt: skip
-    variants = (full, chunked, ckpt, *((liger,) if on_gpu else ()))
+    variants = (full, chunked, ckpt, sac, *((liger,) if on_gpu else ()))
     for pack in (False, True) if "today" in args.cases else ():
         layout = "packed flex" if pack else "padded"
         if pack and device.type == "cpu":
@@ -279,13 +282,10 @@ async def main(args: argparse.Namespace, store: EventStore, url: str, shape: dic
         free(device)
 
     for n in long_lengths if "long" in args.cases else ():
-        for variant in (full, ckpt, *((liger_ckpt,) if on_gpu else ())):
-            case = {
-                "name": f"long {n} {variant['logprobs']}"
-                + (" +ckpt" if variant["checkpointing"] else ""),
-                "model": "0.5B",
-                **variant,
-            }
+        for variant in (full, ckpt, sac, *((liger_ckpt,) if on_gpu else ())):
+            case = {"name": f"long {n} {_tag(variant)}", "model": "0.5B", **variant}
+            if args.variants and _tag(variant) not in args.variants.split(","):
+                continue
             if left() < 40:
                 recorder.add(case | {"status": "skipped", "why": "deadline"})
                 continue
@@ -315,7 +315,9 @@ async def main(args: argparse.Namespace, store: EventStore, url: str, shape: dic
 
 def _tag(variant: dict[str, Any]) -> str:
     """A variant's name: its logprobs, checkpointing, micro-batching."""
-    ckpt = " +ckpt" if variant["checkpointing"] else ""
+    ckpt = ""
+    if variant["checkpointing"]:
+        ckpt = " +sac" if variant.get("mode") == "selective" else " +ckpt"
     return f"{variant['logprobs']}{ckpt}" + (f" {variant['tag']}" if "tag" in variant else "")
 
 

@@ -16,8 +16,10 @@ Memory per token (what lets a 64 k-token sample train on one GPU):
                              the same by Liger-Kernel's fused kernels (a GPU, the package).
                              "full": the model's logits and a log_softmax (the reference).
     gradient_checkpointing   each decoder layer's activations recomputed in the backward instead
-                             of kept: a layer's input per token instead of all its intermediates
-                             (Hugging Face's non-reentrant checkpointing; ~1/3 more compute).
+                             of kept (`trainer.activations`): checkpoint_mode "full" keeps a
+                             layer's input per token (~1/3 more compute); "selective" keeps its
+                             matmuls' and attention's outputs too and recomputes only the
+                             element-wise ops between them.
     micro_token_budget       rows per forward pass by padded tokens (`trainer.microbatch`); a
                              row longer than the budget goes alone, never cut.
 
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from trajstore.trainer import attention, microbatch, routing
+from trajstore.trainer import activations, attention, microbatch, routing
 from trajstore.trainer.device import autocast, default_autocast, resolve_device, to_device
 from trajstore.trainer.distill import DistillConfig, with_distillation
 from trajstore.trainer.errors import TrainerError
@@ -65,6 +67,7 @@ class LearnerConfig:
     logprobs: str = "chunked"  #: chunked | full | liger (a GPU): the output layer's logprobs
     logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS  #: tokens per chunk of the output layer
     gradient_checkpointing: bool = False  #: recompute each layer's activations in the backward
+    checkpoint_mode: str = "full"  #: full | selective: what a checkpointed layer keeps
     pad_multiple: int = 1  #: rows cut to a multiple of this (fewer shapes for a GPU's kernels)
     lr: float = 3e-3  #: AdamW learning rate
     max_grad_norm: float = 1.0
@@ -80,6 +83,11 @@ class LearnerConfig:
         if self.logprobs not in LOGPROBS:
             raise TrainerError(
                 f"unknown logprobs {self.logprobs!r}: use one of {', '.join(LOGPROBS)}"
+            )
+        if self.checkpoint_mode not in activations.MODES:
+            raise TrainerError(
+                f"unknown checkpoint_mode {self.checkpoint_mode!r}: "
+                f"use one of {', '.join(activations.MODES)}"
             )
         if self.logprob_chunk_tokens < 1:
             raise TrainerError(
@@ -109,10 +117,7 @@ class Learner:
         self.model = model.to(device=self.device, dtype=torch.float32)  # master weights
         self.model.train()
         if self.config.gradient_checkpointing:
-            # Non-reentrant: works with inputs that need no grad and with autocast.
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            activations.enable(self.model, self.config.checkpoint_mode)
         self.optimiser = torch.optim.AdamW(
             self.model.parameters(),
             lr=self.config.lr,

@@ -86,10 +86,11 @@ def test_the_learner_chunked_gives_the_full_logprobs_and_gradients(
     assert sum(float(g.abs().sum()) for g in g_chunked) > 0
 
 
-def test_gradient_checkpointing_takes_the_same_step(model_dir: Path) -> None:
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_gradient_checkpointing_takes_the_same_step(model_dir: Path, mode: str) -> None:
     batch = collate([[s] for s in samples([30, 64, 17])])
     plain = Learner.load(model_dir, LearnerConfig(device="cpu"))
-    config = LearnerConfig(device="cpu", gradient_checkpointing=True)
+    config = LearnerConfig(device="cpu", gradient_checkpointing=True, checkpoint_mode=mode)
     checkpointed = Learner.load(model_dir, config)
     assert checkpointed.model.is_gradient_checkpointing
     assert not plain.model.is_gradient_checkpointing
@@ -117,6 +118,8 @@ def test_a_row_longer_than_the_micro_budget_goes_alone_and_whole(model_dir: Path
 def test_an_unknown_logprobs_mode_is_named() -> None:
     with pytest.raises(TrainerError, match="unknown logprobs 'fast': use one of chunked, full"):
         LearnerConfig(logprobs="fast")
+    with pytest.raises(TrainerError, match="unknown checkpoint_mode 'some': use one of full, sel"):
+        LearnerConfig(checkpoint_mode="some")
 
 
 def test_liger_without_its_package_says_what_to_use(model_dir: Path) -> None:

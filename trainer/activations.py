@@ -1,0 +1,63 @@
+"""Activation (gradient) checkpointing of a Hugging Face model's decoder layers, by mode.
+
+    full        a layer keeps its input; the backward runs the layer's forward again
+                (about a third more compute; the least memory)
+    selective   a layer keeps its input and the outputs of its matrix products and attention;
+                the backward re-runs only the element-wise ops between them (norms, rotary,
+                SiLU and its product, residual adds), which are cheap to compute but as large
+                to keep as the products: most of the memory of `full` for little of its time
+
+Selective is PyTorch's selective activation checkpointing (`create_selective_checkpoint_contexts`
+with a policy), the policy torchtitan's "op" mode uses: save the matmuls and the attention
+kernels, recompute the rest. Both modes are non-reentrant (inputs that need no gradient and
+autocast work).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from trajstore.trainer.errors import TrainerError
+
+MODES = ("full", "selective")
+
+#: The ops whose outputs a selectively checkpointed layer keeps: the products (a Linear under
+#: autocast is `mm` or, with a bias, `addmm`; eager attention is `bmm`) and every attention
+#: kernel SDPA may pick, CUDA's and the CPU's. Names a build lacks are left out.
+_SAVED_ATEN = (
+    "mm", "addmm", "bmm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+)  # fmt: skip
+
+
+def _saved_ops() -> frozenset[Any]:
+    ops: set[Any] = {
+        getattr(torch.ops.aten, name).default
+        for name in _SAVED_ATEN
+        if hasattr(torch.ops.aten, name)
+    }
+    # Flex attention is a higher-order op that selective checkpointing sees as one op.
+    flex = getattr(torch._higher_order_ops, "flex_attention", None)
+    if flex is not None:
+        ops.add(flex)
+    return frozenset(ops)
+
+
+def _policy(saved: frozenset[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def enable(model: Any, mode: str) -> None:
+    """Turn on checkpointing of `model`'s decoder layers in `mode` (see the module docstring)."""
+    if mode not in MODES:
+        raise TrainerError(f"unknown checkpointing mode {mode!r}: use one of {', '.join(MODES)}")
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if mode == "selective":
+        policy = functools.partial(_policy, _saved_ops())
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
