@@ -224,7 +224,7 @@ if __name__ == "__main__":
         help="--long: which groups of cases run (gpu_long.py)",
     )
     parser.add_argument("--variants",
-                        help="--long: only these variants (full,chunked,chunked +sac,...)")  # fmt: skip
+                        help="--long: only these (full,chunked,chunked +sac,...)")  # fmt: skip
     parser.add_argument("--deadline", type=float, default=360.0,
                         help="--long: seconds after which no case starts")  # fmt: skip
     args = parser.parse_args()

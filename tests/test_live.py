@@ -3,7 +3,9 @@
 - publishing reloads the trained weights into the running engine exactly: vLLM's logprobs of a
   prompt equal transformers' on the published weights (and differ from the old ones);
 - a short on-policy run: every step is in the ledger with lag 0, and every session the proxy
-  recorded carries the policy version that served it (v0 before training, the last after).
+  recorded carries the policy version that served it (v0 before training, the last after);
+- distilling live (`trajstore train --distill-from`): every generated token of a step's batch
+  scored by the teacher engine before the step trains on it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import torch
 from trajstore.live import LiveConfig
 from trajstore.publish import Publisher
 from trajstore.store import EventStore
+from trajstore.teacher import Teacher
 from trajstore.tiny_model import build_tiny_model
 from trajstore.train_cli import SERVED_NAME, live_services, run_config
+from trajstore.trainer.distill import DistillConfig
 from trajstore.trainer.learner import LearnerConfig
 from trajstore.trainer.ledger import read_step
 
@@ -73,6 +77,17 @@ async def test_published_policies_serve_exactly_and_every_turn_records_its_versi
             run_id="live", eval_sessions=8,
         )  # fmt: skip
 
+        # `trajstore train --distill-from`: a scorer follows the run and each step learns from
+        # its scores. The teacher here is the engine itself (what matters is the path: every
+        # trained token scored, by the engine's prompt_logprobs, before the step trains on it).
+        teacher = Teacher("self", services.engine_url, SERVED_NAME)
+        distill = DistillConfig("self", coef=1.0, grpo=1.0)
+        distilled = await run_config(
+            services, LiveConfig(policies=1, batch_size=8, group_size=4, concurrency=4),
+            LearnerConfig(device="cpu", lr=2e-2, distill=distill),
+            run_id="distilled", eval_sessions=4, teacher=teacher,
+        )  # fmt: skip
+
     history = result["history"]
     assert [m["policy_version"] for m in history] == [1.0, 2.0]  # type: ignore[union-attr,index]
     async with await EventStore.open(database_url) as store:
@@ -88,3 +103,12 @@ async def test_published_policies_serve_exactly_and_every_turn_records_its_versi
     # The evaluation before training ran on v0, the one after on v2; the training sessions on
     # v0 (step 1's batch) and v1 (step 2's).
     assert versions == {"live-eval-v0": [0], "live-eval-v2": [2], "live": [0, 1]}
+    [step] = distilled["history"]  # type: ignore[misc]
+    async with await EventStore.open(database_url) as store:
+        recorded = await read_step(store, "distilled", 1)
+        generated = await store.pool.fetchval(
+            "SELECT sum(response_len) FROM samples WHERE sample_id = ANY($1::uuid[])",
+            [s.sample_id for s in recorded.samples],
+        )
+    assert step["teacher_tokens"] == generated > 0  # every generated token scored
+    assert abs(step["reverse_kl"]) < 0.5  # the engine scored its own v0 tokens

@@ -7,6 +7,9 @@
                 SiLU and its product, residual adds), which are cheap to compute but as large
                 to keep as the products: most of the memory of `full` for little of its time
 
+Either mode can be given to some of the layers only (`layers`, spread evenly over the depth): each
+layer left out keeps all its activations and costs no recomputation, a dial between the two.
+
 Selective is PyTorch's selective activation checkpointing (`create_selective_checkpoint_contexts`
 with a policy), the policy torchtitan's "op" mode uses: save the matmuls and the attention
 kernels, recompute the rest. Both modes are non-reentrant (inputs that need no gradient and
@@ -52,8 +55,9 @@ def _policy(saved: frozenset[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any)
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def enable(model: Any, mode: str) -> None:
-    """Turn on checkpointing of `model`'s decoder layers in `mode` (see the module docstring)."""
+def enable(model: Any, mode: str, layers: int | None = None) -> None:
+    """Turn on checkpointing of `model`'s decoder layers in `mode` (see the module docstring):
+    all of them, or `layers` of them spread evenly over the depth."""
     if mode not in MODES:
         raise TrainerError(f"unknown checkpointing mode {mode!r}: use one of {', '.join(MODES)}")
     kwargs: dict[str, Any] = {"use_reentrant": False}
@@ -61,3 +65,16 @@ def enable(model: Any, mode: str) -> None:
         policy = functools.partial(_policy, _saved_ops())
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if layers is not None:
+        decoder = checkpointed_layers(model)
+        kept = {k * len(decoder) // layers for k in range(layers)} if layers > 0 else set()
+        for index, layer in enumerate(decoder):
+            layer.gradient_checkpointing = index in kept
+
+
+def checkpointed_layers(model: Any) -> list[Any]:
+    """The layers of `model` that checkpointing can apply to (Hugging Face's decoder layers), in
+    order, whether it is on for them or not."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]

@@ -19,7 +19,8 @@ Memory per token (what lets a 64 k-token sample train on one GPU):
                              of kept (`trainer.activations`): checkpoint_mode "full" keeps a
                              layer's input per token (~1/3 more compute); "selective" keeps its
                              matmuls' and attention's outputs too and recomputes only the
-                             element-wise ops between them.
+                             element-wise ops between them; checkpoint_layers: only that many
+                             layers, spread over the depth (a dial between memory and time).
     micro_token_budget       rows per forward pass by padded tokens (`trainer.microbatch`); a
                              row longer than the budget goes alone, never cut.
 
@@ -68,6 +69,7 @@ class LearnerConfig:
     logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS  #: tokens per chunk of the output layer
     gradient_checkpointing: bool = False  #: recompute each layer's activations in the backward
     checkpoint_mode: str = "full"  #: full | selective: what a checkpointed layer keeps
+    checkpoint_layers: int | None = None  #: how many decoder layers are checkpointed (None: all)
     pad_multiple: int = 1  #: rows cut to a multiple of this (fewer shapes for a GPU's kernels)
     lr: float = 3e-3  #: AdamW learning rate
     max_grad_norm: float = 1.0
@@ -117,7 +119,9 @@ class Learner:
         self.model = model.to(device=self.device, dtype=torch.float32)  # master weights
         self.model.train()
         if self.config.gradient_checkpointing:
-            activations.enable(self.model, self.config.checkpoint_mode)
+            activations.enable(
+                self.model, self.config.checkpoint_mode, self.config.checkpoint_layers
+            )
         self.optimiser = torch.optim.AdamW(
             self.model.parameters(),
             lr=self.config.lr,

@@ -37,6 +37,7 @@ from trajstore.trainer.checkpoint import (
     save_checkpoint,
 )
 from trajstore.trainer.collate import Layout, sample_ids
+from trajstore.trainer.distill import DistillConfig
 from trajstore.trainer.errors import BadSelection, TrainerError
 from trajstore.trainer.index import open_store
 from trajstore.trainer.learner import Learner, LearnerConfig
@@ -67,6 +68,9 @@ class RecipeConfig:
     #: samples longer than this are skipped (whole, never cut), each named with its reason in
     #: the ledger event of the step that trains the pass's first batch; None: no limit
     max_sample_tokens: int | None = None
+    #: batches carry the routed experts the engine recorded, and a mixture-of-experts model's
+    #: forward uses them (routing replay: `trainer.routing`)
+    routing: bool = False
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 
     def layout(self) -> Layout:
@@ -91,11 +95,14 @@ async def _epochs(
     `vision`, each batch carries its rows' images (`trainer.vision`)."""
     epoch, skip = state.epoch, state.batches_in_epoch
     layout = config.layout()
+    # Distilling: batches carry that teacher's scores (a sample it has not scored is refused).
+    teacher = config.learner.distill.teacher if config.learner.distill is not None else None
     while True:
         batches = 0
         passed = replay(
             store, selection, batch_size=layout.batch_size, token_budget=layout.token_budget,
             pack=layout.pack, seed=config.seed + epoch, max_sample_tokens=config.max_sample_tokens,
+            teacher=teacher, routing=config.routing,
         )  # fmt: skip
         if vision is not None:
             passed = with_vision(passed, store, vision)
@@ -235,6 +242,29 @@ def main() -> None:
     parser.add_argument("--micro-token-budget", type=int)
     parser.add_argument("--logprobs", default="chunked", help="chunked | full (the logits)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--checkpoint-mode", default="full", help="full | selective")
+    parser.add_argument(
+        "--distill-teacher",
+        metavar="NAME",
+        help="learn from this teacher's scores too (`trajstore score --teacher`)",
+    )
+    parser.add_argument(
+        "--distill-coef",
+        type=float,
+        default=1.0,
+        help="weight of the teacher's per-token advantage",
+    )
+    parser.add_argument(
+        "--grpo-coef",
+        type=float,
+        default=1.0,
+        help="weight of the GRPO advantage when distilling (0: distillation alone)",
+    )
+    parser.add_argument(
+        "--routing-replay",
+        action="store_true",
+        help="a mixture of experts routes as the engine recorded",
+    )
     parser.add_argument("--max-sample-tokens", type=int, help="skip (and record) longer samples")
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--checkpoint-dir", type=Path)
@@ -262,18 +292,23 @@ def main() -> None:
     config = RecipeConfig(
         batch_size=args.batch_size, token_budget=args.token_budget, pack=args.pack,
         prefetch=args.prefetch, checkpoint_every=args.checkpoint_every,
-        max_sample_tokens=args.max_sample_tokens,
+        max_sample_tokens=args.max_sample_tokens, routing=args.routing_replay,
         learner=LearnerConfig(device=args.device, attention=args.attention,
                               micro_token_budget=args.micro_token_budget, logprobs=args.logprobs,
                               gradient_checkpointing=args.gradient_checkpointing,
-                              loss=LossConfig(max_token_lag=args.max_token_lag)),
+                              checkpoint_mode=args.checkpoint_mode,
+                              loss=LossConfig(max_token_lag=args.max_token_lag),
+                              distill=DistillConfig(args.distill_teacher, args.distill_coef,
+                                                    args.grpo_coef)
+                              if args.distill_teacher else None),
     )  # fmt: skip
 
     def show(m: dict[str, float]) -> None:
         print(
             f"step {m['step']:3.0f}  loss {m['loss']:+.4f}  reward {m['reward_mean']:.3f}  "
             f"ratio {m['ratio_mean']:.3f}  tis-truncated {m['tis_truncated_fraction']:.3f}  "
-            f"kl {m['kl_k3']:.4f}",
+            f"kl {m['kl_k3']:.4f}"
+            + (f"  reverse-kl {m['reverse_kl']:.4f}" if "reverse_kl" in m else ""),
             flush=True,
         )
 

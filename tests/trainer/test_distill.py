@@ -96,6 +96,26 @@ async def test_a_replay_refuses_samples_the_teacher_has_not_scored(store: EventS
         _ = [b async for b in replay(store, batch_size=2, teacher="t")]
 
 
+async def test_the_recipe_distills_from_the_named_teachers_scores(
+    store: EventStore, tmp_path: Any
+) -> None:
+    from trajstore.tiny_model import build_tiny_model
+    from trajstore.trainer.recipe import RecipeConfig, train_steps
+
+    model_dir = build_tiny_model(tmp_path / "model")
+    await _scored_rows(store, 4)
+    learner = LearnerConfig(device="cpu", distill=DistillConfig("t", coef=1.0, grpo=0.0))
+    [step] = await train_steps(store, "run-1", model_dir, 1, training_run="d",
+                               config=RecipeConfig(batch_size=4, learner=learner))  # fmt: skip
+    assert step["teacher_tokens"] == 12  # 4 samples x 3 generated tokens, each scored
+    assert step["reverse_kl"] != 0.0
+    # A teacher that scored none of them: refused, not a distillation term of zero.
+    other = LearnerConfig(device="cpu", distill=DistillConfig("nobody"))
+    with pytest.raises(BadSelection, match="has not scored"):
+        await train_steps(store, "run-1", model_dir, 1, training_run="e",
+                          config=RecipeConfig(batch_size=4, learner=other))  # fmt: skip
+
+
 async def test_the_verl_batch_and_the_trl_dataset_carry_them(store: EventStore) -> None:
     from trajstore.trainer.verl_batch import verl_batch
 

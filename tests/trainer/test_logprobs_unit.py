@@ -15,6 +15,7 @@ import torch
 
 from tests.trainer.test_learner_unit import samples
 from trajstore.tiny_model import build_tiny_model
+from trajstore.trainer.activations import checkpointed_layers
 from trajstore.trainer.collate import collate
 from trajstore.trainer.errors import TrainerError
 from trajstore.trainer.learner import Learner, LearnerConfig
@@ -86,14 +87,19 @@ def test_the_learner_chunked_gives_the_full_logprobs_and_gradients(
     assert sum(float(g.abs().sum()) for g in g_chunked) > 0
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_gradient_checkpointing_takes_the_same_step(model_dir: Path, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "layers"), [("full", None), ("selective", None), ("full", 1)])
+def test_gradient_checkpointing_takes_the_same_step(
+    model_dir: Path, mode: str, layers: int | None
+) -> None:
     batch = collate([[s] for s in samples([30, 64, 17])])
     plain = Learner.load(model_dir, LearnerConfig(device="cpu"))
-    config = LearnerConfig(device="cpu", gradient_checkpointing=True, checkpoint_mode=mode)
+    config = LearnerConfig(
+        device="cpu", gradient_checkpointing=True, checkpoint_mode=mode, checkpoint_layers=layers
+    )
     checkpointed = Learner.load(model_dir, config)
-    assert checkpointed.model.is_gradient_checkpointing
-    assert not plain.model.is_gradient_checkpointing
+    on = [layer.gradient_checkpointing for layer in checkpointed_layers(checkpointed.model)]
+    assert on == ([True, True] if layers is None else [True, False])  # the tiny model's 2
+    assert not any(layer.gradient_checkpointing for layer in checkpointed_layers(plain.model))
     m_plain = plain.step(plain.prepare(batch))
     m_checkpointed = checkpointed.step(checkpointed.prepare(batch))
     assert m_checkpointed["loss"] == pytest.approx(m_plain["loss"], rel=1e-6, abs=1e-8)

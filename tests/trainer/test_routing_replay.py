@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -163,3 +164,28 @@ async def test_a_live_replay_carries_it_too(store: EventStore) -> None:
     plain = replay_live(store, batch_size=1, poll_interval=0.05, idle_timeout=1.0)
     [(batch, _)] = [item async for item in plain]
     assert batch.get("routed_experts", None) is None
+
+
+async def test_the_recipe_trains_with_the_recorded_routing_when_asked(
+    store: EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trajstore.trainer import learner as learner_module
+    from trajstore.trainer.recipe import RecipeConfig, train_steps
+
+    experts = await moe_session(store)
+    seen: list[torch.Tensor | None] = []
+    real = learner_module.routing.replayed
+
+    def spied(model: Any, routed: torch.Tensor | None) -> Any:
+        seen.append(routed)
+        return real(model, routed)
+
+    monkeypatch.setattr(learner_module.routing, "replayed", spied)
+    for asked in (True, False):
+        learner = Learner(tiny_moe().train(), LearnerConfig(device="cpu"))
+        await train_steps(store, "run-1", Path("unused"), 1, training_run=f"r-{asked}",
+                          config=RecipeConfig(batch_size=1, routing=asked),
+                          learner=learner)  # fmt: skip
+    with_routing, without = seen
+    assert with_routing is not None and with_routing[0, :6].tolist() == experts.tolist()
+    assert without is None
