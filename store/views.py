@@ -18,9 +18,11 @@ served projection version), its continued turns and the drift they avoided, and 
 calls each training row merged).
 
 `trajstore_reader` can SELECT these two views and `samples`, and nothing else: not the events
-table, not a write anywhere. Roles belong to the whole PostgreSQL cluster, so the role is created
-once if missing and never dropped by a downgrade (it may hold grants in other databases); a
-downgrade only takes its grants away. Give it to a person with `GRANT trajstore_reader TO alice`.
+table, not a write anywhere. The function that makes `turns.messages` whole reads `events` with
+its owner's rights, so only the reader role may execute it (not PUBLIC, every role). Roles
+belong to the whole PostgreSQL cluster, so the role is created once if missing and never dropped
+by a downgrade (it may hold grants in other databases); a downgrade only takes its grants away.
+Give it to a person with `GRANT trajstore_reader TO alice`.
 
 The migrations create exactly these statements; `tests/store/test_schema.py` proves the migrated
 catalog equals the one built from `store.schema`.
@@ -346,6 +348,8 @@ CREATE_READER_ROLE = create_role(READER_ROLE, login=False)
 #: What `upgrade` runs, in order, after the tables exist.
 CREATE = [
     TURN_MESSAGES_FUNCTION,
+    # It reads events with its owner's rights: the reader's alone, not every role's (PUBLIC's).
+    "REVOKE EXECUTE ON FUNCTION trajstore_turn_messages(text, jsonb) FROM PUBLIC",
     TURNS_VIEW,
     TRAJECTORIES_VIEW,
     SIDE_DATA_VIEW,
@@ -356,10 +360,12 @@ CREATE = [
     f"GRANT USAGE ON SCHEMA public TO {READER_ROLE}",
     f"GRANT SELECT ON turns, trajectories, samples TO {READER_ROLE}",
     f"GRANT SELECT ON side_data, scoring_failures TO {READER_ROLE}",
+    f"GRANT EXECUTE ON FUNCTION trajstore_turn_messages(text, jsonb) TO {READER_ROLE}",
 ]
 
 #: What `downgrade` runs, in order, before the tables go (the role stays: see above).
 DROP = [
+    f"REVOKE EXECUTE ON FUNCTION trajstore_turn_messages(text, jsonb) FROM {READER_ROLE}",
     f"REVOKE SELECT ON side_data, scoring_failures FROM {READER_ROLE}",
     f"REVOKE SELECT ON turns, trajectories, samples FROM {READER_ROLE}",
     f"REVOKE USAGE ON SCHEMA public FROM {READER_ROLE}",

@@ -60,6 +60,14 @@ CATALOG_QUERIES = {
         WHERE pronamespace = 'public'::regnamespace ORDER BY 1""",
     "views": """
         SELECT viewname, definition FROM pg_views WHERE schemaname = 'public' ORDER BY 1""",
+    # Who may execute each function besides its owner ("-" is PUBLIC, every role).
+    "function grants": """
+        SELECT p.proname, coalesce(r.rolname, '-'), a.privilege_type
+        FROM pg_proc p,
+             aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) AS a
+             LEFT JOIN pg_roles r ON r.oid = a.grantee
+        WHERE p.pronamespace = 'public'::regnamespace AND a.grantee <> p.proowner
+        ORDER BY 1, 2""",
     "grants": r"""
         SELECT grantee, table_name, privilege_type FROM information_schema.role_table_grants
         WHERE grantee LIKE 'trajstore\_%' ORDER BY 1, 2, 3""",
@@ -119,6 +127,10 @@ async def test_migrations_produce_exactly_the_declared_schema(
         ("policy_switches", "SELECT"), ("turn_versions", "SELECT"), ("sample_versions", "SELECT"),
         ("side_data", "SELECT"), ("scoring_failures", "SELECT"),
     }  # fmt: skip
+    # The function reading events with its owner's rights: the reader's to execute, no one else's.
+    assert [g for g in migrated["function grants"] if g[0] == "trajstore_turn_messages"] == [
+        ("trajstore_turn_messages", "trajstore_reader", "EXECUTE")
+    ]
     # The proxy's role reads and appends events (and reads the keys that guard their uniqueness)
     # and nothing else; the projector's reads events.
     assert {(t, w) for who, t, w in grants if who == "trajstore_recorder"} == {

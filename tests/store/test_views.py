@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,7 @@ async def test_the_reader_role_reads_the_views_and_nothing_else(
         assert await conn.fetchval("SELECT count(*) FROM trajectories") == 6
         assert await conn.fetchval("SELECT count(*) FROM turns") == 9
         assert await conn.fetchval("SELECT count(*) FROM samples") > 0
+        assert await conn.fetchval("SELECT count(messages) FROM turns") == 9
         for statement in [
             "SELECT count(*) FROM events",
             "SELECT count(*) FROM projection_checkpoints",
@@ -150,6 +152,26 @@ async def test_the_reader_role_reads_the_views_and_nothing_else(
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await conn.execute(statement)
     finally:
+        await conn.close()
+
+
+async def test_no_other_role_reads_a_sessions_messages_through_the_views_function(
+    recorded: EventStore, database_url: str
+) -> None:
+    """`trajstore_turn_messages` reads events with its owner's rights: a role of the cluster
+    that is not the reader must not call it (by default every role may call a new function)."""
+    outsider = f"trajstore_test_outsider_{uuid.uuid4().hex[:8]}"
+    conn = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        await conn.execute(f"CREATE ROLE {outsider}")
+        await conn.execute(f"SET ROLE {outsider}")
+        asked = """SELECT trajstore_turn_messages('s1', '{"messages_prefix": {"request_id": "x",
+                   "n_messages": 0}, "body": {"messages": []}}')"""
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.fetchval(asked)
+    finally:
+        await conn.execute("RESET ROLE")
+        await conn.execute(f"DROP ROLE IF EXISTS {outsider}")
         await conn.close()
 
 
