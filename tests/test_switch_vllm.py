@@ -1,7 +1,7 @@
 """A weight switch in the middle of a long streamed turn, on the real vLLM (CPU build, dev
 endpoints) through the real proxy, published by `trajstore.publish` without a drain.
 
-The agent (the official OpenAI client) streams a 640-token answer; 200 tokens in, a new policy
+The agent (the official OpenAI client) streams a 2,560-token answer; 16 tokens in, a new policy
 (every weight moved) is published. The turn is recorded once, with two version spans that split
 its tokens where the proxy received them; re-scoring each span's tokens on the engine under that
 span's checkpoint gives the recorded logprobs (exact attribution, by the engine's own
