@@ -86,6 +86,7 @@ def tracing_stages(repeat: int) -> list[tuple[str, str, float]]:
 
     from trajstore.proxy.sessions import Session
     from trajstore.proxy.tracing import TurnTracer
+    from trajstore.store.payloads_request import CompletionFinished
 
     provider = TracerProvider(resource=Resource.create({"service.name": "trajstore-proxy"}))
     # A queue nothing empties while timing: `on_end` costs what it costs when the exporter
@@ -103,16 +104,19 @@ def tracing_stages(repeat: int) -> list[tuple[str, str, float]]:
     whole = orjson.loads(FakeEngine(instant=True)._render("chat", engine_body("chat", body)))
     rec.record(extract("chat", whole))
     drive(rec.finished(None))
-    payload = {"choices": [{"finish_reason": "length"}], "latency_s": 0.01, "ttft_s": 0.002}
+    # The stored form the recorder writes; with tracing on it reads it typed for the tracer.
+    finished = {"choices": [{"index": 0, "finish_reason": "length", "n_tokens": 64}],
+                "latency_s": 0.01, "ttft_s": 0.002}  # fmt: skip
 
     def span() -> None:
         ended = tracer.call(api="chat", session=session, engine="http://e", policy_version="0",
                             body=body)  # fmt: skip
         assert ended is not None
-        ended(rec, payload)
+        ended(rec, CompletionFinished.read(finished))
 
     built = least(span, repeat)
     queued = list(processor._batch_processor._queue)[:512]
+    assert queued and "gen_ai.usage.output_tokens" in queued[0].attributes  # spans, not errors
     encoded = least(lambda: encode_spans(queued).SerializePartialToString(), repeat, 3)
     processor.shutdown()
     return [
