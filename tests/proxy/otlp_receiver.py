@@ -52,6 +52,8 @@ class Received:
 
     spans: list[ReceivedSpan] = field(default_factory=list)
     requests: int = 0
+    headers: list[dict[str, str]] = field(default_factory=list)  #: each POST's (HTTP)
+    refusals: list[int] = field(default_factory=list)  #: statuses still to answer (HTTP)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
@@ -93,15 +95,20 @@ class Received:
 
 
 @contextlib.contextmanager
-def http_receiver() -> Iterator[tuple[str, Received]]:
-    """An OTLP/HTTP receiver (protobuf bodies on /v1/traces): its endpoint and what it got."""
-    received = Received()
+def http_receiver(refuse: tuple[int, ...] = ()) -> Iterator[tuple[str, Received]]:
+    """An OTLP/HTTP receiver (protobuf bodies on /v1/traces): its endpoint and what it got.
+    `refuse`: statuses it answers its first POSTs with, in order, before it takes any."""
+    received = Received(refusals=list(refuse))
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("content-length", 0)))
-            if self.path != "/v1/traces":
-                self.send_response(404)
+            with received.lock:
+                received.headers.append({k.lower(): v for k, v in self.headers.items()})
+                refusal = received.refusals.pop(0) if received.refusals else None
+            if self.path != "/v1/traces" or refusal is not None:
+                self.send_response(refusal or 404)
+                self.send_header("content-length", "0")
                 self.end_headers()
                 return
             if self.headers.get("content-encoding") == "gzip":
