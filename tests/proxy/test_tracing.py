@@ -203,6 +203,46 @@ async def test_spans_reach_a_grpc_collector_with_content_when_asked(
     assert "trajstore.viewer.url" not in last  # no viewer named, no link
 
 
+async def test_every_agent_api_gives_its_call_a_span_with_the_logs_counts(
+    start_proxy: ProxyFactory,
+    engine: FakeEngine,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Completions, Anthropic Messages (streamed) and OpenAI Responses through their official
+    clients: a span each, its operation named for the API, the log's token counts."""
+    import anthropic
+
+    with http_receiver() as (endpoint, received):
+        _collector(monkeypatch, endpoint, "http/protobuf")
+        proxy = await start_proxy([engine.url], tracing="otlp")
+        session = await proxy.new_session(run_id="run-apis")
+        async with _agent(proxy, session) as agent:
+            await agent.completions.create(model="tiny", prompt="Count apples:", max_tokens=4)
+            await agent.responses.create(model="tiny", input="How many?", max_output_tokens=5)
+        claude = anthropic.AsyncAnthropic(base_url=session["anthropic_base_url"],
+                                          api_key=session["api_key"], max_retries=0)  # fmt: skip
+        async with claude.messages.stream(
+            model="tiny", max_tokens=6, messages=[{"role": "user", "content": "Apples?"}]
+        ) as stream:
+            await stream.get_final_message()
+        assert (await proxy.finish(session["session_id"])).status_code == 200  # all durable
+        spans = received.wait_for(4)  # and the session's
+
+    record = await _recorded(database_url, session["session_id"])
+    calls = _by_request(spans)
+    assert set(calls) == {t.request_id for t in record.turns} and len(calls) == 3
+    operations = {}
+    for turn in record.turns:
+        attributes = calls[turn.request_id].attributes
+        operations[turn.api] = attributes["gen_ai.operation.name"]
+        assert attributes["trajstore.api"] == turn.api
+        assert attributes["gen_ai.usage.input_tokens"] == turn.n_prompt_tokens
+        assert attributes["gen_ai.usage.output_tokens"] == len(turn.choices[0].token_ids) > 0
+        assert attributes["gen_ai.response.finish_reasons"] == [turn.choices[0].finish_reason]
+    assert operations == {"completions": "text_completion", "responses": "chat", "messages": "chat"}
+
+
 async def test_a_collector_that_is_down_costs_the_agent_nothing_and_loses_no_recording(
     start_proxy: ProxyFactory,
     engine: FakeEngine,
