@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trajstore.live import LiveConfig
 from trajstore.publish import Publisher
@@ -25,6 +26,7 @@ from trajstore.train_cli import SERVED_NAME, live_services, run_config
 from trajstore.trainer.distill import DistillConfig
 from trajstore.trainer.learner import LearnerConfig
 from trajstore.trainer.ledger import read_step
+from trajstore.trainer.metrics_log import open_metrics_log
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -72,10 +74,11 @@ async def test_published_policies_serve_exactly_and_every_turn_records_its_versi
         assert max(abs(a - b) for a, b in zip(served, before, strict=True)) > 0.05
 
         config = LiveConfig(policies=2, batch_size=8, group_size=4, concurrency=4)
-        result = await run_config(
-            services, config, LearnerConfig(device="cpu", lr=2e-2),
-            run_id="live", eval_sessions=8,
-        )  # fmt: skip
+        with open_metrics_log("live", ["live"], tensorboard_dir=tmp_path / "tb") as metrics_log:
+            result = await run_config(
+                services, config, LearnerConfig(device="cpu", lr=2e-2),
+                run_id="live", eval_sessions=8, metrics_log=metrics_log,
+            )  # fmt: skip
 
         # `trajstore train --distill-from`: a scorer follows the run and each step learns from
         # its scores. The teacher here is the engine itself (what matters is the path: every
@@ -103,6 +106,17 @@ async def test_published_policies_serve_exactly_and_every_turn_records_its_versi
     # The evaluation before training ran on v0, the one after on v2; the training sessions on
     # v0 (step 1's batch) and v1 (step 2's).
     assert versions == {"live-eval-v0": [0], "live-eval-v2": [2], "live": [0, 1]}
+    # `trajstore train --tensorboard-dir`: each step at its policy version, the lag among them,
+    # and the two evaluations, read back with TensorBoard's own reader.
+    events = EventAccumulator(str(tmp_path / "tb" / "live"))
+    events.Reload()
+    assert [p.step for p in events.Scalars("train/reward_mean")] == [1, 2]
+    assert [p.value for p in events.Scalars("train/staleness_mean")] == [0.0, 0.0]  # on-policy
+    evaluated = [(p.step, p.value) for p in events.Scalars("eval/reward_mean")]
+    assert [step for step, _ in evaluated] == [0, 2]
+    assert [value for _, value in evaluated] == pytest.approx(
+        [sum(result[k]) / len(result[k]) for k in ("before", "after")]  # type: ignore[arg-type]
+    )
     [step] = distilled["history"]  # type: ignore[misc]
     async with await EventStore.open(database_url) as store:
         recorded = await read_step(store, "distilled", 1)
