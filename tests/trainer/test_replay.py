@@ -198,3 +198,12 @@ async def test_batches_say_which_version_generated_each_token(store: EventStore)
     assert batch["token_version"][0].tolist() == [-1, -1, -1, 3, 4]
     assert batch["token_staleness"][0].tolist() == [-1, -1, -1, 2, 1]
     assert batch["staleness"][0, 0].item() == 2  # the sample's oldest token, as before
+    # The verl batch and the TRL dataset carry them too, aligned with the sample's tokens.
+    from trajstore.trainer.trl_dataset import read_samples_table
+    from trajstore.trainer.verl_batch import verl_batch
+
+    verl = await verl_batch(store, selection)
+    assert verl is not None
+    assert list(verl.non_tensor_batch["token_versions"][0]) == [-1, -1, -1, 3, 4]
+    table = await read_samples_table(store, selection)
+    assert table.column("token_versions").to_pylist() == [[-1, -1, -1, 3, 4]]
