@@ -41,9 +41,10 @@ from typing import Any
 from ingest import Databases  # benchmarks/ingest.py, next to this file
 from learning import plot  # benchmarks/learning.py
 
-from trajstore.live import LiveConfig, rewards_by_version
+from trajstore.live import LiveConfig
 from trajstore.store import EventStore
 from trajstore.store.embedded import database_url
+from trajstore.store.sample_reads import rewards_by_version
 from trajstore.teacher import Teacher, score_run
 from trajstore.tiny_model import build_tiny_model
 from trajstore.train_cli import live_services, run_config
