@@ -77,28 +77,43 @@ async def test_chat_turns_record_their_routing_and_the_sample_aligns_it(
     expect_aligned(sample, routed_of(sample))
 
 
-async def test_completions_and_messages_record_routing_too(
-    moe_proxy: RunningProxy, database_url: str, events_of: Any
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completions_messages_and_responses_record_routing_too(
+    moe_proxy: RunningProxy, database_url: str, events_of: Any, stream: bool
 ) -> None:
     session = await moe_proxy.new_session()
-    await moe_proxy.agent(session).completions.create(
-        model="tiny", prompt="t10 t11 t12", max_tokens=5
-    )  # type: ignore[call-overload]
-    client = anthropic.AsyncAnthropic(
+    agent = moe_proxy.agent(session)
+    claude = anthropic.AsyncAnthropic(
         base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0
     )
-    await client.messages.create(
-        model="tiny", max_tokens=6, messages=[{"role": "user", "content": "hello"}]
-    )
+    if stream:
+        chunks = await agent.completions.create(
+            model="tiny", prompt="t10 t11 t12", max_tokens=5, stream=True
+        )  # type: ignore[call-overload]
+        _ = [c async for c in chunks]
+        async with claude.messages.stream(
+            model="tiny", max_tokens=6, messages=[{"role": "user", "content": "hello"}]
+        ) as reading:
+            await reading.get_final_message()
+        events = await agent.responses.create(
+            model="tiny", input="how many?", max_output_tokens=6, stream=True
+        )
+        _ = [e async for e in events]
+    else:
+        await agent.completions.create(model="tiny", prompt="t10 t11", max_tokens=5)
+        await claude.messages.create(
+            model="tiny", max_tokens=6, messages=[{"role": "user", "content": "hello"}]
+        )
+        await agent.responses.create(model="tiny", input="how many?", max_output_tokens=6)
     samples = await moe_proxy.finished_samples(database_url, session["session_id"])
-    events = await events_of(session["session_id"])  # all written: the finish is a barrier
-    side = [e for e in events if e.type == EventType.SIDE_DATA_RECORDED]
-    assert len(side) == 2
+    recorded = await events_of(session["session_id"])  # all written: the finish is a barrier
+    side = [e for e in recorded if e.type == EventType.SIDE_DATA_RECORDED]
+    assert len(side) == 3  # one a call, whichever API it came in by
     for event in side:
         assert event.payload["kind"] == ROUTED_EXPERTS
         assert event.payload["arrays"][0]["dtype"] == "uint8"
         assert event.payload["arrays"][0]["shape"][1:] == [LAYERS, TOP_K]
-    assert len(samples) == 2  # two conversations: two lineages
+    assert len(samples) == 3  # three conversations: three lineages
     for sample in samples:
         expect_aligned(sample, routed_of(sample))
 
