@@ -1,7 +1,7 @@
 """Long agent sessions through the proxy, then every read path over them (issues 35, 43).
 
     python benchmarks/long_sessions.py [--quick] [--sessions 3] [--turns 5000] [--small 1000]
-                                       [--runs 3] [--rounds 2] [--baseline DIR]
+                                       [--runs 3] [--rounds 2] [--baseline DIR] [--direct N]
 
 Starts the fake engine (tests/proxy/fake_engine.py, answering every request that has tools with
 a tool call) and `trajstore proxy` recording into a scratch database. Then `--sessions` agents of
@@ -38,6 +38,8 @@ Exits non-zero when a token is missing from the log, when `GET /sessions/{id}` w
 is 10 MB or more at `--turns`, or when the proxy keeps 100 MB more than before.
 TRAJSTORE_DATABASE_URL's server, else the embedded one (it needs the right to create
 databases). `--quick` (CI): 2 sessions of 500 turns and one of 100, one run, one round.
+`--direct N`: the sessions written straight to the log (tests/long_session.py's shape) and N
+calls through the proxy, so that a loaded machine reads at full size without an hour of writes.
 
 This module is the command line, the run, the proxy's memory and the report; the agents and their
 engine are in long_sessions_agents.py, the read paths and the SQL in long_sessions_reads.py.
