@@ -91,6 +91,13 @@ class LearnerConfig:
                 f"unknown checkpoint_mode {self.checkpoint_mode!r}: "
                 f"use one of {', '.join(activations.MODES)}"
             )
+        if self.checkpoint_layers is not None and (
+            self.checkpoint_layers < 0 or not self.gradient_checkpointing
+        ):
+            raise TrainerError(
+                f"checkpoint_layers={self.checkpoint_layers} needs gradient_checkpointing=True "
+                "and a count of layers >= 0"
+            )
         if self.logprob_chunk_tokens < 1:
             raise TrainerError(
                 f"logprob_chunk_tokens must be >= 1, not {self.logprob_chunk_tokens}"

@@ -244,6 +244,11 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--checkpoint-mode", default="full", help="full | selective")
     parser.add_argument(
+        "--checkpoint-layers",
+        type=int,
+        help="checkpoint only this many decoder layers, spread over the depth",
+    )
+    parser.add_argument(
         "--distill-teacher",
         metavar="NAME",
         help="learn from this teacher's scores too (`trajstore score --teacher`)",
@@ -297,6 +302,7 @@ def main() -> None:
                               micro_token_budget=args.micro_token_budget, logprobs=args.logprobs,
                               gradient_checkpointing=args.gradient_checkpointing,
                               checkpoint_mode=args.checkpoint_mode,
+                              checkpoint_layers=args.checkpoint_layers,
                               loss=LossConfig(max_token_lag=args.max_token_lag),
                               distill=DistillConfig(args.distill_teacher, args.distill_coef,
                                                     args.grpo_coef)

@@ -126,6 +126,8 @@ def test_an_unknown_logprobs_mode_is_named() -> None:
         LearnerConfig(logprobs="fast")
     with pytest.raises(TrainerError, match="unknown checkpoint_mode 'some': use one of full, sel"):
         LearnerConfig(checkpoint_mode="some")
+    with pytest.raises(TrainerError, match="checkpoint_layers=4 needs gradient_checkpointing"):
+        LearnerConfig(checkpoint_layers=4)  # would be ignored: said, not silently
 
 
 def test_liger_without_its_package_says_what_to_use(model_dir: Path) -> None:
