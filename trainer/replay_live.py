@@ -204,7 +204,13 @@ async def replay_live(
                 if entry.reward is None:
                     state.held.pop(entry.sample_id, None)  # an older copy may be held
                     continue
-                state.held.pop(entry.sample_id, None)  # re-projected: keep the newest copy
+                # Projected again (another fact about its session came): keep the newest copy.
+                # If its group was released already, the copy keeps that advantage: its
+                # group-mates have theirs (some may be delivered), so the group cannot be
+                # released again, and the copy would wait for it forever.
+                earlier = state.held.pop(entry.sample_id, None)
+                if earlier is not None:
+                    held.advantage = earlier.advantage
                 if max_sample_tokens is not None and entry.n_tokens > max_sample_tokens:
                     state.skipped.append(skipped_entry(entry, max_sample_tokens))
                     state.delivered.add(str(entry.sample_id))  # never trained, never again

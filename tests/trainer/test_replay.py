@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -92,6 +93,28 @@ async def test_live_groups_count_sessions_not_rows(store: EventStore) -> None:
                                                idle_timeout=0.3)]  # fmt: skip
     advantages = sorted(round(s["advantage"]) for b in batches for s in b.get_non_tensor("samples"))
     assert advantages == [-1, 1, 1, 1]
+
+
+async def test_a_sample_projected_again_after_its_group_was_released_keeps_its_advantage(
+    store: EventStore,
+) -> None:
+    """The projector may write a finished session's sample again (another fact about it came):
+    the tail then reads the newer copy. When its group was already released (advantages given,
+    the batch not yet full), the copy keeps its group's advantage. It waited alone for a group
+    that had moved on, and the live loop with it (seen once in the learning benchmark)."""
+    first, second = group_rows(1), group_rows(2)[2:]  # groups g-0 and g-1, two sessions each
+    await store_samples(store, first)
+    live = replay_live(store, batch_size=4, group_size=2, poll_interval=0.05)
+    coming = asyncio.ensure_future(anext(live))
+    await asyncio.sleep(0.3)  # g-0 read and released; a batch of 4 waits for two more
+    async with store.pool.acquire() as conn:  # g-0's first sample projected again
+        await conn.execute("DELETE FROM samples WHERE sample_id = $1", first[0]["sample_id"])
+    await store_samples(store, [first[0]])
+    await store_samples(store, second)
+    batch, _ = await asyncio.wait_for(coming, timeout=10)
+    await live.aclose()
+    advantages = {s["session_id"]: round(s["advantage"]) for s in batch.get_non_tensor("samples")}
+    assert advantages == {"s-0-0": -1, "s-0-1": 1, "s-1-0": -1, "s-1-1": 1}
 
 
 async def test_packing_fills_rows_up_to_the_budget(store: EventStore) -> None:
