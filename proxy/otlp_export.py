@@ -23,6 +23,7 @@ from __future__ import annotations
 import gzip
 import logging
 import os
+import ssl
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -49,8 +50,12 @@ _SCALARS = {str: "string_value", bool: "bool_value", int: "int_value", float: "d
 def _value(value: Any) -> dict[str, Any]:
     """An attribute's value as OTLP's `AnyValue`, in dict form."""
     field = _SCALARS.get(type(value))
-    if field is not None:
+    if field is not None:  # the plain types, by one lookup; their subclasses below
         return {field: value}
+    for kind, name in ((str, "string_value"), (bool, "bool_value"), (int, "int_value"),
+                       (float, "double_value"), (bytes, "bytes_value")):  # fmt: skip
+        if isinstance(value, kind):
+            return {name: value}
     if isinstance(value, Mapping):
         return {"kvlist_value": {"values": _attributes(value)}}
     if isinstance(value, Sequence):
@@ -165,8 +170,9 @@ class HttpSpanExporter(SpanExporter):
                                                                 liberal=True).items()}  # fmt: skip
         if self.gzip:
             headers["content-encoding"] = "gzip"
-        certificate = _setting("CERTIFICATE")
-        self._client = httpx.Client(headers=headers, verify=certificate or True)
+        certificate = _setting("CERTIFICATE")  # a CA bundle to trust instead of the system's
+        verify = ssl.create_default_context(cafile=certificate) if certificate else True
+        self._client = httpx.Client(headers=headers, verify=verify)
         self._shut = False
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:

@@ -4,6 +4,7 @@ every kind of span and attribute; over HTTP, the standard settings honoured, a c
 
 from __future__ import annotations
 
+import enum
 import time
 
 import pytest
@@ -28,6 +29,12 @@ from tests.proxy.otlp_receiver import http_receiver
 from trajstore.proxy.otlp_export import HttpSpanExporter, encode_spans
 
 
+class Outcome(enum.StrEnum):
+    """A str subclass as an attribute value (encoded as its string, not as a list of letters)."""
+
+    OK = "ok"
+
+
 def finished_spans() -> list[ReadableSpan]:
     """Spans of two resources and three scopes, with every attribute type, events, links, a
     remote parent with a trace state, and each status."""
@@ -43,7 +50,8 @@ def finished_spans() -> list[ReadableSpan]:
         versioned = provider.get_tracer("other", "1.2", schema_url="https://x/1.0")
         with plain.start_as_current_span("root", kind=SpanKind.SERVER) as root:
             root.set_attributes({"s": "text", "b": True, "i": 42, "f": 0.5,
-                                 "list": ["length", "stop"], "ints": [1, 2]})  # fmt: skip
+                                 "list": ["length", "stop"], "ints": [1, 2],
+                                 "kind": SpanKind.CLIENT.name, "status": Outcome.OK})  # fmt: skip
             root.add_event("gen_ai.first_token", {"at": 3})
             with versioned.start_as_current_span("child", links=[Link(remote, {"why": "x"})]) as c:
                 c.set_status(Status(StatusCode.ERROR, "engine_error"))
