@@ -9,7 +9,7 @@ is a result, `"status": "oom"`, not a failure):
 
   today's shape   0.5B, batches of 8 samples of 512-1,536 tokens, padded and packed (flex):
                   logprobs full (before: the model's float32 logits, `trainer.loss`), chunked
-                  (`trainer.logprobs`), chunked + gradient checkpointing (full; of 4, 8 and 12
+                  (`trainer.logprobs`), chunked + gradient checkpointing (full; of 2, 3, 4, 8, 12
                   layers of 24; selective: `trainer.activations`), liger (a GPU)
   head            the output layer's logprobs alone on 12,288 tokens, forward + backward with a
                   per-token gradient: full logits, chunked, Liger-Kernel's fused linear
@@ -241,7 +241,7 @@ async def main(args: argparse.Namespace, store: EventStore, url: str, shape: dic
                            {"logprobs": "chunked", "checkpointing": True})  # fmt: skip
     sac = ckpt | {"mode": "selective"}  # the matmuls' and attention's outputs kept
     # Some of the 24 layers checkpointed: the dial between chunked and chunked + checkpointing.
-    partial = tuple(ckpt | {"layers": n} for n in (4, 8, 12))
+    partial = tuple(ckpt | {"layers": n} for n in (2, 3, 4, 8, 12))
     liger, liger_ckpt = ({"logprobs": "liger", "checkpointing": False},
                          {"logprobs": "liger", "checkpointing": True})  # fmt: skip
     on_gpu = device.type == "cuda"  # Liger's kernels are Triton's: a GPU's
