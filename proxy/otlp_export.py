@@ -42,7 +42,7 @@ _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200
 _RETRIED_STATUSES = frozenset({429, 502, 503, 504})
 
 
-#: OTLP's `AnyValue` field of each plain type (`bool` apart from `int`: it is one).
+#: OTLP's `AnyValue` field of each plain type (`bool` before `int`: it is one).
 _SCALARS = {str: "string_value", bool: "bool_value", int: "int_value", float: "double_value",
             bytes: "bytes_value"}  # fmt: skip
 
@@ -52,8 +52,7 @@ def _value(value: Any) -> dict[str, Any]:
     field = _SCALARS.get(type(value))
     if field is not None:  # the plain types, by one lookup; their subclasses below
         return {field: value}
-    for kind, name in ((str, "string_value"), (bool, "bool_value"), (int, "int_value"),
-                       (float, "double_value"), (bytes, "bytes_value")):  # fmt: skip
+    for kind, name in _SCALARS.items():  # in order: bool before int, of which it is one
         if isinstance(value, kind):
             return {name: value}
     if isinstance(value, Mapping):

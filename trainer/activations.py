@@ -57,11 +57,16 @@ def _policy(saved: frozenset[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any)
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def check_mode(mode: str) -> None:
+    """`TrainerError` naming the modes when `mode` is none of them."""
+    if mode not in MODES:
+        raise TrainerError(f"unknown checkpoint_mode {mode!r}: use one of {', '.join(MODES)}")
+
+
 def enable(model: Any, mode: str, layers: int | None = None) -> None:
     """Turn on checkpointing of `model`'s decoder layers in `mode` (see the module docstring):
     all of them, or `layers` of them spread evenly over the depth."""
-    if mode not in MODES:
-        raise TrainerError(f"unknown checkpointing mode {mode!r}: use one of {', '.join(MODES)}")
+    check_mode(mode)
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if mode == "selective":
         policy = functools.partial(_policy, _saved_ops())

@@ -81,16 +81,17 @@ class LearnerConfig:
     #: On-policy distillation from a teacher's logprobs (`trainer.distill`); None: GRPO alone.
     distill: DistillConfig | None = None
 
+    @property
+    def teacher(self) -> str | None:
+        """The teacher whose scores batches must carry (`distill`'s); None when not distilling."""
+        return self.distill.teacher if self.distill is not None else None
+
     def __post_init__(self) -> None:
         if self.logprobs not in LOGPROBS:
             raise TrainerError(
                 f"unknown logprobs {self.logprobs!r}: use one of {', '.join(LOGPROBS)}"
             )
-        if self.checkpoint_mode not in activations.MODES:
-            raise TrainerError(
-                f"unknown checkpoint_mode {self.checkpoint_mode!r}: "
-                f"use one of {', '.join(activations.MODES)}"
-            )
+        activations.check_mode(self.checkpoint_mode)
         if self.checkpoint_layers is not None and (
             self.checkpoint_layers < 0 or not self.gradient_checkpointing
         ):

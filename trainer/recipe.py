@@ -95,14 +95,12 @@ async def _epochs(
     `vision`, each batch carries its rows' images (`trainer.vision`)."""
     epoch, skip = state.epoch, state.batches_in_epoch
     layout = config.layout()
-    # Distilling: batches carry that teacher's scores (a sample it has not scored is refused).
-    teacher = config.learner.distill.teacher if config.learner.distill is not None else None
     while True:
         batches = 0
         passed = replay(
             store, selection, batch_size=layout.batch_size, token_budget=layout.token_budget,
             pack=layout.pack, seed=config.seed + epoch, max_sample_tokens=config.max_sample_tokens,
-            teacher=teacher, routing=config.routing,
+            teacher=config.learner.teacher, routing=config.routing,  # unscored: refused
         )  # fmt: skip
         if vision is not None:
             passed = with_vision(passed, store, vision)

@@ -98,7 +98,7 @@ async def train_live(
             store, Selection(runs=(run_id,)), batch_size=config.batch_size,
             group_size=config.group_size, checkpoint=live, policy_version=lambda: policy[0],
             max_lag=config.max_lag, poll_interval=0.1,
-            teacher=learner.config.distill.teacher if learner.config.distill else None,
+            teacher=learner.config.teacher,
         ):  # fmt: skip
             waited = time.perf_counter() - asked  # agents generating, projector, store
             # In threads: the proxy may share this event loop (`trajstore train` serves it).
