@@ -236,6 +236,9 @@ async def main(args: argparse.Namespace, store: EventStore, url: str, shape: dic
     def left() -> float:
         return float(deadline - time.monotonic())
 
+    def asked(variant: dict[str, Any]) -> bool:  # `--variants`, when given, names the ones to run
+        return not args.variants or _tag(variant) in args.variants.split(",")
+
     full, chunked, ckpt = ({"logprobs": "full", "checkpointing": False},
                            {"logprobs": "chunked", "checkpointing": False},
                            {"logprobs": "chunked", "checkpointing": True})  # fmt: skip
@@ -263,7 +266,7 @@ async def main(args: argparse.Namespace, store: EventStore, url: str, shape: dic
                           "why": "flex attention has no backward on the CPU"})  # fmt: skip
             continue
         for variant in (*variants, micro[layout]):
-            if args.variants and _tag(variant) not in args.variants.split(","):
+            if not asked(variant):
                 continue
             case = {"name": f"today {layout} {_tag(variant)}", "model": "0.5B", **variant}
             if left() < 30:
@@ -290,7 +293,7 @@ async def main(args: argparse.Namespace, store: EventStore, url: str, shape: dic
     for n in long_lengths if "long" in args.cases else ():
         for variant in (full, ckpt, sac, *((liger_ckpt,) if on_gpu else ())):
             case = {"name": f"long {n} {_tag(variant)}", "model": "0.5B", **variant}
-            if args.variants and _tag(variant) not in args.variants.split(","):
+            if not asked(variant):
                 continue
             if left() < 40:
                 recorder.add(case | {"status": "skipped", "why": "deadline"})
