@@ -119,7 +119,7 @@ async def test_a_turn_switched_mid_stream_is_one_turn_with_two_exact_spans(
             warnings.warn(f"the engine outran switch {attempt}: trying a new turn", stacklevel=1)
         else:
             pytest.fail(f"the engine outran the switch in each of {ATTEMPTS} turns")
-        await publisher.close()
+        before, after = str(attempt - 1), str(attempt)
         ids, logprobs = turn["choices"][0]["token_ids"], turn["choices"][0]["logprobs"]
         prompt = turn["prompt_added"]
         async with await EventStore.open(database_url) as store:
@@ -130,14 +130,12 @@ async def test_a_turn_switched_mid_stream_is_one_turn_with_two_exact_spans(
 
         # Re-score each span's tokens under its checkpoint, on the engine itself.
         rescored: dict[str, list[float]] = {}
-        for version in (str(attempt - 1), str(attempt)):
-            await Publisher(services.engine_url, services.proxy_url, tmp_path / "p2").load(
-                checkpoints[version], int(version)
-            )
+        for version in (before, after):
+            await publisher.load(checkpoints[version], int(version))
             rescored[version] = await engine_logprobs(http, services.engine_url, prompt + ids)
+        await publisher.close()
 
     # One turn, N_TOKENS tokens, split in two spans where the proxy received them.
-    before, after = str(attempt - 1), str(attempt)
     assert len(ids) == N_TOKENS
     assert [s["version"] for s in spans] == [before, after]
     assert spans[0]["start"] == 0 and spans[1]["end"] == N_TOKENS
